@@ -1,0 +1,56 @@
+"""The `mtp` command: one Typer app, one file per subcommand."""
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from cli.make_tiny import make_tiny_command
+from cli.quickstart import quickstart_command
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="DeepSeek-V3/R1 inference with MTP speculative decoding.")
+app.command("quickstart", help="Generate text for prompts (mirror of TensorRT-LLM's quickstart_advanced.py).",
+            context_settings={"help_option_names": ["-h", "--help"]})(quickstart_command)
+app.command("make-tiny", help="Write a tiny random DeepSeek-V3 checkpoint (for tests and offline trials).")(
+    make_tiny_command)
+
+try:  # commands added by later issues register themselves only when their module is present
+    from cli.quantize import quantize_command
+    app.command("quantize", help="Write FP8-block or NVFP4 checkpoints from a bf16/fp32 one.")(quantize_command)
+except ImportError:  # pragma: no cover
+    pass
+
+NARGS_PLUS = {"--prompt"}  # TensorRT-LLM takes `--prompt a b c`; click wants `--prompt a --prompt b`
+
+
+def expand_nargs(argv: list[str]) -> list[str]:
+    """`--prompt a b` -> `--prompt a --prompt b` (values run until the next option)."""
+    out: list[str] = []
+    flag, taken = None, 0
+    for a in argv:
+        if a in NARGS_PLUS:
+            if flag and not taken:
+                out.append(flag)
+            flag, taken = a, 0
+            continue
+        if flag and (a == "-" or not a.startswith("-")):
+            out += [flag, a]
+            taken += 1
+            continue
+        if flag and not taken:
+            out.append(flag)
+        flag = None
+        out.append(a)
+    if flag and not taken:
+        out.append(flag)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = expand_nargs(list(sys.argv[1:] if argv is None else argv))
+    app(args=args, prog_name="mtp")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,395 @@
+// FP8 absorbed-MLA decode over a paged latent cache (Hopper sm_90a; also builds for sm_100a).
+//
+// Contract (same as mtp_core/kernels/mla_decode_ref.py):
+//   q_lat [B, Q, H, 512] bf16, q_pe [B, Q, H, 64] bf16, kv_cache [num_blocks, 64, 576] e4m3,
+//   block_table [B, max_blocks] int32, cache_seqlens [B] int32 (includes the Q new tokens),
+//   kv_scale: per-tensor float32 dequant scale (real = fp8 * kv_scale), optional.
+//   Query i of row b sits at position seqlen - Q + i and sees keys 0..that position.
+//   Returns out [B, Q, H, 512] bf16 = softmax(score) @ c_kv and lse [B, H, Q] float32 (natural log).
+//
+// Work split: one CTA = (16 * RW query rows, one KV split, one batch row); a query row is a
+// (q_token, head) pair. The CTA streams its split one 64-token page at a time: cp.async brings the
+// raw fp8 page into shared memory (kStages pages in flight), all threads dequantize it once to bf16,
+// then RW x CW warps run bf16 mma.sync: warp (rw, cw) computes scores for 16 rows x (64 / CW) keys,
+// the row maxima are exchanged through shared memory (online softmax), P goes to shared memory as
+// bf16, and the same warp accumulates O for its 16 rows x (512 / CW) latent columns. With more than
+// one split, partial (O, lse) pairs go to an fp32 workspace and a combine kernel merges them.
+// The per-tensor kv_scale is folded into the score scale and the output scale, so the fp8 -> bf16
+// conversion is exact. kv_scale stays on the device, so the launch is CUDA-graph safe.
+#include <algorithm>
+#include <cmath>
+
+#include "common.cuh"
+#include "kernels.h"
+
+namespace mtp_core::cuda {
+namespace {
+
+constexpr int kDimLatent = kMlaDimLatent;   // 512
+constexpr int kDimRope = kMlaDimRope;       // 64
+constexpr int kDim = kDimLatent + kDimRope;  // 576
+constexpr int kPage = kMlaPageSize;         // 64 tokens per cache page = keys per tile
+constexpr int kStride = kDim + 8;            // bf16 per shared row; +16 B keeps mma loads conflict-free
+constexpr int kPStride = kPage + 8;
+constexpr int kPageBytes = kPage * kDim;     // one fp8 page, contiguous in the cache
+constexpr int kMaxSplits = 64;
+constexpr int kMaxDevices = 64;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+struct Params {
+  const bf16* q_lat;        // [B, Q*H, 512]
+  const bf16* q_pe;         // [B, Q*H, 64]
+  const uint8_t* kv;        // [num_blocks, 64, 576] e4m3 bytes
+  const int* block_table;   // [B, block_table_stride]
+  const int* seqlens;       // [B]
+  const float* kv_scale;    // [1] or nullptr
+  bf16* out;                // [B, Q*H, 512]
+  float* lse;               // [B, H, Q]
+  float* part_out;          // [B, num_splits, Q*H, 512] (num_splits > 1)
+  float* part_lse;          // [B, num_splits, Q*H]
+  int64_t block_table_stride;
+  int batch, num_q, num_heads, num_splits;
+  float score_scale_log2;   // softmax_scale * log2(e)
+};
+
+template <int RW, int CW>
+struct Cfg {
+  static constexpr int kThreads = RW * CW * 32;
+  static constexpr int kRows = RW * 16;
+  static constexpr int kStages = RW == 4 ? 1 : 2;  // RW == 4 has no room for a second raw page
+  static constexpr int kKeysPerWarp = kPage / CW;
+  static constexpr int kSTiles = kKeysPerWarp / 8;
+  static constexpr int kColsPerWarp = kDimLatent / CW;
+  static constexpr int kOTiles = kColsPerWarp / 8;
+  static constexpr int kQBytes = kRows * kStride * 2;
+  static constexpr int kKBytes = kPage * kStride * 2;
+  static constexpr int kPBytes = kRows * kPStride * 2;
+  static constexpr int kRedBytes = CW * kRows * 4;
+  static constexpr int kRawBytes = kStages * kPageBytes;
+  static constexpr int kSmem = kQBytes + kKBytes + kPBytes + kRedBytes + kRawBytes;
+  static_assert(kSmem <= 227 * 1024, "shared memory budget of one Hopper SM");
+  static_assert(kOTiles % 2 == 0 && kSTiles >= 1, "tile split");
+};
+
+template <int RW, int CW>
+__global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kernel(const Params p) {
+  using C = Cfg<RW, CW>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  bf16* q_s = reinterpret_cast<bf16*>(smem);                                   // [kRows][kStride]
+  bf16* k_s = reinterpret_cast<bf16*>(smem + C::kQBytes);                      // [64][kStride]
+  bf16* p_s = reinterpret_cast<bf16*>(smem + C::kQBytes + C::kKBytes);         // [kRows][kPStride]
+  float* red = reinterpret_cast<float*>(smem + C::kQBytes + C::kKBytes + C::kPBytes);  // [CW][kRows]
+  uint8_t* raw = smem + C::kQBytes + C::kKBytes + C::kPBytes + C::kRedBytes;   // [kStages][page]
+
+  const int split = blockIdx.y;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32, lane = tid % 32;
+  const int rw = warp % RW, cw = warp / RW;
+  const int g = lane / 4, t = lane % 4;
+  const int num_rows = p.num_q * p.num_heads;
+  const int row0 = blockIdx.x * C::kRows;
+
+  const int seqlen = max(p.seqlens[b], 0);
+  const int num_pages = (seqlen + kPage - 1) / kPage;
+  const int pages_per_split = (num_pages + p.num_splits - 1) / p.num_splits;
+  const int page_begin = split * pages_per_split;
+  const int page_end = min(num_pages, page_begin + pages_per_split);
+  const int* table = p.block_table + static_cast<int64_t>(b) * p.block_table_stride;
+
+  auto load_page = [&](int page, int stage) {
+    if (page < page_end) {
+      const uint8_t* src = p.kv + static_cast<int64_t>(table[page]) * kPageBytes;
+      uint8_t* dst = raw + stage * kPageBytes;
+      for (int c = tid; c < kPageBytes / 16; c += C::kThreads) cp_async_16(dst + c * 16, src + c * 16);
+    }
+    cp_async_commit();  // always commit so the group count stays uniform
+  };
+#pragma unroll
+  for (int s = 0; s < C::kStages; ++s) load_page(page_begin + s, s);
+
+  // Query tile -> shared memory; rows past Q*H are zero and never stored.
+  for (int c = tid; c < C::kRows * (kDim / 8); c += C::kThreads) {
+    const int r = c / (kDim / 8), col = (c % (kDim / 8)) * 8;
+    const int m = row0 + r;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (m < num_rows) {
+      const int64_t row = static_cast<int64_t>(b) * num_rows + m;
+      const bf16* src = col < kDimLatent ? p.q_lat + row * kDimLatent + col
+                                         : p.q_pe + row * kDimRope + (col - kDimLatent);
+      v = *reinterpret_cast<const uint4*>(src);
+    }
+    *reinterpret_cast<uint4*>(q_s + r * kStride + col) = v;
+  }
+
+  // This thread owns rows (rw*16 + g) and (rw*16 + g + 8) of the tile.
+  int last_pos[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int m = row0 + rw * 16 + g + 8 * i;
+    last_pos[i] = m < num_rows ? seqlen - p.num_q + m / p.num_heads : -1;
+  }
+  const float kv_scale = p.kv_scale != nullptr ? *p.kv_scale : 1.0f;
+  const float score_scale = p.score_scale_log2 * kv_scale;
+
+  float o[C::kOTiles][4];
+#pragma unroll
+  for (int n = 0; n < C::kOTiles; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};  // this warp's keys only; summed across cw at the end
+
+  for (int page = page_begin; page < page_end; ++page) {
+    const int stage = (page - page_begin) % C::kStages;
+    cp_async_wait<C::kStages - 1>();
+    __syncthreads();  // page landed for every thread; previous tile's k_s / p_s readers are done
+
+    const uint8_t* src = raw + stage * kPageBytes;
+    for (int c = tid; c < kPageBytes / 8; c += C::kThreads) {
+      const int key = c / (kDim / 8), col = (c % (kDim / 8)) * 8;
+      const uint2 v = *reinterpret_cast<const uint2*>(src + c * 8);
+      uint4 w;
+      w.x = fp8x2_e4m3_to_bf16x2(v.x);
+      w.y = fp8x2_e4m3_to_bf16x2(v.x >> 16);
+      w.z = fp8x2_e4m3_to_bf16x2(v.y);
+      w.w = fp8x2_e4m3_to_bf16x2(v.y >> 16);
+      *reinterpret_cast<uint4*>(k_s + key * kStride + col) = w;
+    }
+    __syncthreads();
+    load_page(page + C::kStages, stage);  // the raw buffer is free again
+
+    // S = Q K^T: 16 rows x kKeysPerWarp keys, contraction over all 576 dims.
+    float s[C::kSTiles][4];
+#pragma unroll
+    for (int j = 0; j < C::kSTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+    const bf16* q_row = q_s + (rw * 16 + g) * kStride + 2 * t;
+    const bf16* k_row = k_s + (cw * C::kKeysPerWarp + g) * kStride + 2 * t;
+#pragma unroll 4
+    for (int ks = 0; ks < kDim / 16; ++ks) {
+      const uint32_t a[4] = {ld_shared_u32(q_row + ks * 16), ld_shared_u32(q_row + 8 * kStride + ks * 16),
+                             ld_shared_u32(q_row + ks * 16 + 8),
+                             ld_shared_u32(q_row + 8 * kStride + ks * 16 + 8)};
+#pragma unroll
+      for (int j = 0; j < C::kSTiles; ++j) {
+        const bf16* kp = k_row + j * 8 * kStride + ks * 16;
+        mma_bf16_16816(s[j], a, ld_shared_u32(kp), ld_shared_u32(kp + 8));
+      }
+    }
+
+    // Causal mask + scale (log2 domain), then the tile row max across the CW warps.
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < C::kSTiles; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = page * kPage + cw * C::kKeysPerWarp + j * 8 + 2 * t + (e & 1);
+        const float v = key <= last_pos[e / 2] ? s[j][e] * score_scale : -INFINITY;
+        s[j][e] = v;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], v);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 1));
+      tile_max[i] = fmaxf(tile_max[i], __shfl_xor_sync(0xffffffffu, tile_max[i], 2));
+      if (t == 0) red[cw * C::kRows + rw * 16 + g + 8 * i] = tile_max[i];
+    }
+    __syncthreads();
+    float base[2], alpha[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float new_max = row_max[i];
+#pragma unroll
+      for (int c = 0; c < CW; ++c) new_max = fmaxf(new_max, red[c * C::kRows + rw * 16 + g + 8 * i]);
+      base[i] = new_max == -INFINITY ? 0.f : new_max;  // a fully masked row keeps p = 0, no NaN
+      alpha[i] = exp2f(row_max[i] - base[i]);
+      row_max[i] = new_max;
+      row_sum[i] *= alpha[i];
+    }
+#pragma unroll
+    for (int j = 0; j < C::kSTiles; ++j) {
+      const float p0 = exp2f(s[j][0] - base[0]), p1 = exp2f(s[j][1] - base[0]);
+      const float p2 = exp2f(s[j][2] - base[1]), p3 = exp2f(s[j][3] - base[1]);
+      row_sum[0] += p0 + p1;
+      row_sum[1] += p2 + p3;
+      bf16* pp = p_s + (rw * 16 + g) * kPStride + cw * C::kKeysPerWarp + j * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(pp) = pack_bf16x2(p0, p1);
+      *reinterpret_cast<uint32_t*>(pp + 8 * kPStride) = pack_bf16x2(p2, p3);
+    }
+    __syncthreads();  // P of all 64 keys is in shared memory
+
+    // O = alpha * O + P V, V = the 512 latent dims of the same page.
+#pragma unroll
+    for (int n = 0; n < C::kOTiles; ++n) {
+      o[n][0] *= alpha[0];
+      o[n][1] *= alpha[0];
+      o[n][2] *= alpha[1];
+      o[n][3] *= alpha[1];
+    }
+    const int mat = lane / 8, mat_row = lane % 8;
+#pragma unroll
+    for (int kk = 0; kk < kPage / 16; ++kk) {
+      const bf16* pr = p_s + (rw * 16 + g) * kPStride + kk * 16 + 2 * t;
+      const uint32_t a[4] = {ld_shared_u32(pr), ld_shared_u32(pr + 8 * kPStride), ld_shared_u32(pr + 8),
+                             ld_shared_u32(pr + 8 * kPStride + 8)};
+      const bf16* v_row = k_s + (kk * 16 + (mat & 1) * 8 + mat_row) * kStride + cw * C::kColsPerWarp +
+                          (mat >> 1) * 8;
+#pragma unroll
+      for (int n2 = 0; n2 < C::kOTiles / 2; ++n2) {
+        uint32_t bv[4];
+        ldmatrix_x4_trans(bv, v_row + n2 * 16);
+        mma_bf16_16816(o[2 * n2], a, bv[0], bv[1]);
+        mma_bf16_16816(o[2 * n2 + 1], a, bv[2], bv[3]);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Row sums: across the quad, then across the CW warps sharing the rows.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+  }
+  __syncthreads();
+  if (t == 0) {
+    red[cw * C::kRows + rw * 16 + g] = row_sum[0];
+    red[cw * C::kRows + rw * 16 + g + 8] = row_sum[1];
+  }
+  __syncthreads();
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int m = row0 + rw * 16 + g + 8 * i;
+    if (m >= num_rows) continue;
+    float total = 0.f;
+#pragma unroll
+    for (int c = 0; c < CW; ++c) total += red[c * C::kRows + rw * 16 + g + 8 * i];
+    const float inv = total > 0.f ? kv_scale / total : 0.f;
+    const float lse = total > 0.f ? (row_max[i] + log2f(total)) * kLn2 : -INFINITY;
+    const int col0 = cw * C::kColsPerWarp + 2 * t;
+    if (p.num_splits == 1) {
+      bf16* dst = p.out + (static_cast<int64_t>(b) * num_rows + m) * kDimLatent + col0;
+#pragma unroll
+      for (int n = 0; n < C::kOTiles; ++n)
+        *reinterpret_cast<uint32_t*>(dst + n * 8) = pack_bf16x2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+      if (cw == 0 && t == 0) {
+        const int qi = m / p.num_heads, h = m % p.num_heads;
+        p.lse[(static_cast<int64_t>(b) * p.num_heads + h) * p.num_q + qi] = lse;
+      }
+    } else {
+      const int64_t prow = (static_cast<int64_t>(b) * p.num_splits + split) * num_rows + m;
+      float* dst = p.part_out + prow * kDimLatent + col0;
+#pragma unroll
+      for (int n = 0; n < C::kOTiles; ++n)
+        *reinterpret_cast<float2*>(dst + n * 8) = make_float2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
+      if (cw == 0 && t == 0) p.part_lse[prow] = lse;
+    }
+  }
+}
+
+// Merge split partials: out = sum_s exp(lse_s - lse) * out_s, lse = log sum_s exp(lse_s).
+// Grid (Q*H, B), 128 threads x 4 columns.
+__global__ void __launch_bounds__(128) mla_combine_kernel(const Params p) {
+  const int m = blockIdx.x, b = blockIdx.y;
+  const int num_rows = p.num_q * p.num_heads;
+  const int64_t row_base = static_cast<int64_t>(b) * p.num_splits * num_rows + m;
+  float max_lse = -INFINITY;
+  for (int s = 0; s < p.num_splits; ++s) max_lse = fmaxf(max_lse, p.part_lse[row_base + s * num_rows]);
+  float total = 0.f;
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float l = p.part_lse[row_base + s * num_rows];
+    total += l == -INFINITY ? 0.f : expf(l - max_lse);
+  }
+  const int col = threadIdx.x * 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (total > 0.f) {
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float l = p.part_lse[row_base + s * num_rows];
+      if (l == -INFINITY) continue;
+      const float w = expf(l - max_lse) / total;
+      const float4 v =
+          *reinterpret_cast<const float4*>(p.part_out + (row_base + s * num_rows) * kDimLatent + col);
+      acc.x += w * v.x;
+      acc.y += w * v.y;
+      acc.z += w * v.z;
+      acc.w += w * v.w;
+    }
+  }
+  bf16* dst = p.out + (static_cast<int64_t>(b) * num_rows + m) * kDimLatent + col;
+  uint2 packed;
+  packed.x = pack_bf16x2(acc.x, acc.y);
+  packed.y = pack_bf16x2(acc.z, acc.w);
+  *reinterpret_cast<uint2*>(dst) = packed;
+  if (threadIdx.x == 0) {
+    const int qi = m / p.num_heads, h = m % p.num_heads;
+    p.lse[(static_cast<int64_t>(b) * p.num_heads + h) * p.num_q + qi] =
+        total > 0.f ? max_lse + logf(total) : -INFINITY;
+  }
+}
+
+template <int RW, int CW>
+cudaError_t launch(const Params& p, cudaStream_t stream) {
+  using C = Cfg<RW, CW>;
+  auto* kernel = &mla_decode_fp8_kernel<RW, CW>;
+  // The dynamic shared-memory limit is raised once per device, before any graph capture needs it.
+  static bool configured[kMaxDevices] = {};
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= kMaxDevices) return cudaErrorInvalidDevice;
+  if (!configured[device]) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmem);
+    if (err != cudaSuccess) return err;
+    configured[device] = true;
+  }
+  const int num_rows = p.num_q * p.num_heads;
+  const dim3 grid((num_rows + C::kRows - 1) / C::kRows, p.num_splits, p.batch);
+  kernel<<<grid, C::kThreads, C::kSmem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+int rows_per_cta(int num_rows) { return num_rows <= 16 ? 16 : (num_rows <= 32 ? 32 : 64); }
+
+}  // namespace
+
+int mla_decode_num_splits(int batch, int num_q, int num_heads, int max_blocks, int num_sms) {
+  const int num_rows = num_q * num_heads;
+  const int rows = rows_per_cta(num_rows);
+  const int64_t ctas = static_cast<int64_t>(batch) * ((num_rows + rows - 1) / rows);
+  if (ctas <= 0) return 1;
+  // Enough splits to give every SM one CTA (one CTA fits per SM).
+  const int64_t splits = (num_sms + ctas - 1) / ctas;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({splits, max_blocks, kMaxSplits})));
+}
+
+cudaError_t mla_decode_fp8(const MlaDecodeParams& params, cudaStream_t stream) {
+  Params p{};
+  p.q_lat = static_cast<const bf16*>(params.q_lat);
+  p.q_pe = static_cast<const bf16*>(params.q_pe);
+  p.kv = static_cast<const uint8_t*>(params.kv);
+  p.block_table = params.block_table;
+  p.seqlens = params.seqlens;
+  p.kv_scale = params.kv_scale;
+  p.out = static_cast<bf16*>(params.out);
+  p.lse = params.lse;
+  p.part_out = params.part_out;
+  p.part_lse = params.part_lse;
+  p.block_table_stride = params.block_table_stride;
+  p.batch = params.batch;
+  p.num_q = params.num_q;
+  p.num_heads = params.num_heads;
+  p.num_splits = params.num_splits;
+  p.score_scale_log2 = params.softmax_scale * kLog2e;
+  const int num_rows = p.num_q * p.num_heads;
+  if (p.batch == 0 || num_rows == 0) return cudaSuccess;
+  const int rows = rows_per_cta(num_rows);
+  cudaError_t err = rows == 16 ? launch<1, 4>(p, stream)
+                  : rows == 32 ? launch<2, 4>(p, stream)
+                               : launch<4, 2>(p, stream);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
+  mla_combine_kernel<<<dim3(num_rows, p.batch), 128, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace mtp_core::cuda

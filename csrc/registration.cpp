@@ -1,0 +1,29 @@
+// The one registry of mtp_core op schemas. Built into mtp_core._C (always, CPU-only); the CUDA
+// kernels in mtp_core._C_cuda only add implementations (TORCH_LIBRARY_IMPL), so _C must be
+// imported first. Torch references and fake (meta) functions: mtp_core/kernels/.
+#include <Python.h>
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(mtp_core, m) {
+  // Absorbed MLA decode over a paged latent cache with K+1 causal query tokens per sequence.
+  //   q_lat [B, Q, H, R], q_pe [B, Q, H, P], kv_cache [num_blocks, page_size, R + P],
+  //   block_table int32 [B, max_blocks], cache_seqlens int32 [B] (counts the Q new tokens),
+  //   kv_scale: per-tensor float32 [1] dequant scale for an fp8 cache (real = fp8 * kv_scale).
+  //   -> out [B, Q, H, R] (dtype of q_lat), lse float32 [B, H, Q].
+  m.def(
+      "mla_decode(Tensor q_lat, Tensor q_pe, Tensor kv_cache, Tensor block_table, "
+      "Tensor cache_seqlens, float softmax_scale, Tensor? kv_scale=None) -> (Tensor, Tensor)");
+  // Weight-only NVFP4 GEMM: x [M, K] @ dequant(weight [N, K/2], weight_scale [N, K/16],
+  // weight_scale_2 [1])^T -> [M, N].
+  m.def("nvfp4_gemm(Tensor x, Tensor weight, Tensor weight_scale, Tensor weight_scale_2) -> Tensor");
+  // NVFP4 activation quantization with a per-tensor decode scale -> (packed [M, K/2] uint8,
+  // block scales [M, K/16] float8_e4m3fn).
+  m.def("nvfp4_quantize(Tensor x, Tensor global_scale) -> (Tensor, Tensor)");
+}
+
+// `import mtp_core._C` loads this library and with it the registrations; the module is empty.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,154 @@
+"""Training strings and held-out evaluation sets for the project's tiny reasoning model.
+
+Training strings are either a chat example (`render_prompt(question) + render_completion(reasoning,
+final)`) or a general-text chunk from the standard library (`general_text`). Evaluation sets are JSON
+lines per family, drawn only from the held-out share of each family's operand space (`tasks.split_of`).
+Everything is a function of the seed (and, for general text, of the Python minor version).
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from mtp_core.chat_format import render_completion, render_prompt
+from mtp_core.data import general_text
+from mtp_core.data.phrasing import Trace, maybe, ngram_predictability
+from mtp_core.data.scoring import format_answer
+from mtp_core.data.tasks import FAMILY_SPECS, generate, render, sample_operands
+
+FAMILIES: list[str] = list(FAMILY_SPECS)
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    question: str
+    reasoning: str      # the text between `<think>\n` and `\n</think>`
+    answer: str         # the reference answer, e.g. "579" or "3, 7, 12"
+    prompt: str         # rendered generation prompt (ends with `<think>\n`)
+    completion: str     # rendered completion (reasoning, `</think>`, final answer section, EOS)
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILY_SPECS:
+        raise ValueError(f"unknown task family {family!r}; use one of {', '.join(FAMILIES)}")
+
+
+def build_example(family: str, trace: Trace, rng: random.Random) -> Example:
+    """Render a trace; the final section is `The answer is X.`, sometimes after a restating line."""
+    final = format_answer(trace.answer)
+    if trace.summary and maybe(rng, 0.5):
+        final = f"{trace.summary}\n\n{final}"
+    return Example(family, trace.question, trace.reasoning, trace.answer, render_prompt(trace.question),
+                   render_completion(trace.reasoning, final))
+
+
+def sample_example(family: str, rng: random.Random, split: str = "train") -> Example:
+    _check_family(family)
+    return build_example(family, generate(family, rng, split), rng)
+
+
+def example_for(family: str, operands: tuple, rng: random.Random) -> Example:
+    """The example for fixed operands (e.g. `(123, 456)` for "add"); only the wording depends on `rng`."""
+    _check_family(family)
+    return build_example(family, render(family, operands, rng), rng)
+
+
+def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15) -> Iterator[str]:
+    """`num_examples` chat examples (families mixed by weight) interleaved with general-text chunks.
+
+    General chunks are added whenever they fall below `general_fraction` of all characters so far
+    (characters stand in for tokens), so the share holds at every prefix of the stream.
+    """
+    if not 0.0 <= general_fraction < 1.0:
+        raise ValueError(f"general_fraction must be in [0, 1), got {general_fraction}")
+    if num_examples < 0:
+        raise ValueError(f"num_examples must be >= 0, got {num_examples}")
+    rng = random.Random(f"train-{seed}")
+    general_rng = random.Random(f"general-{seed}")
+    weights = [FAMILY_SPECS[f].weight for f in FAMILIES]
+    chunks = general_text.load_chunks() if general_fraction > 0 else ()
+    ratio = general_fraction / (1.0 - general_fraction)
+    order: list[int] = []
+    task_chars = general_chars = 0
+    for _ in range(num_examples):
+        example = sample_example(rng.choices(FAMILIES, weights)[0], rng)
+        text = example.prompt + example.completion
+        task_chars += len(text)
+        yield text
+        while chunks and general_chars < ratio * task_chars:
+            if not order:
+                order = list(range(len(chunks)))
+                general_rng.shuffle(order)
+            chunk = general_text.render_general(chunks[order.pop()])
+            general_chars += len(chunk)
+            yield chunk
+
+
+def eval_records(family: str, per_family: int = 50, seed: int = 1234) -> list[dict]:
+    """`per_family` distinct held-out questions of `family` (distinct canonical operands)."""
+    _check_family(family)
+    if per_family < 1:
+        raise ValueError(f"per_family must be >= 1, got {per_family}")
+    rng = random.Random(f"eval-{seed}-{family}")
+    seen: set[tuple] = set()
+    records: list[dict] = []
+    for _ in range(200 * per_family + 2000):
+        if len(records) == per_family:
+            return records
+        ops = sample_operands(family, rng, "eval")
+        key = FAMILY_SPECS[family].canonical(ops)
+        if key in seen:
+            continue
+        seen.add(key)
+        ex = example_for(family, ops, rng)
+        records.append({"task": family, "question": ex.question, "prompt": ex.prompt, "answer": ex.answer})
+    raise ValueError(f"only {len(records)} distinct held-out {family} questions exist; lower per_family")
+
+
+def write_eval_sets(out_dir: Path, per_family: int = 50, seed: int = 1234) -> list[Path]:
+    """Write eval_<family>.jsonl for every family into `out_dir`; returns the paths in FAMILIES order."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for family in FAMILIES:
+        path = out / f"eval_{family}.jsonl"
+        lines = [json.dumps(r, ensure_ascii=False) for r in eval_records(family, per_family, seed)]
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def load_eval_set(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def estimate_predictability(seed: int = 0, per_family: int = 400, order: int = 3) -> dict[str, float]:
+    """Per family (and 'overall'): the order-gram predictability of completions (see phrasing)."""
+    rng = random.Random(f"predictability-{seed}")
+    result, everything = {}, []
+    for family in FAMILIES:
+        texts = [sample_example(family, rng).completion for _ in range(per_family)]
+        result[family] = ngram_predictability(texts, order)
+        everything += texts
+    result["overall"] = ngram_predictability(everything, order)
+    return result
+
+
+def describe_data(seed: int = 0, per_family: int = 2) -> str:
+    """A plain-text description with `per_family` training samples per family, for the model card."""
+    rng = random.Random(f"describe-{seed}")
+    total = sum(spec.weight for spec in FAMILY_SPECS.values())
+    parts = ["Task families (share of training examples, held-out share of operand space):"]
+    for name, spec in FAMILY_SPECS.items():
+        parts.append(f"  {name}: {spec.weight / total:.0%} of examples, {spec.eval_percent}% held out")
+    parts.append(f"General text: {len(general_text.STDLIB_MODULES)} standard-library modules "
+                 f"({general_text.fingerprint()}); license {general_text.LICENSE}.")
+    for family in FAMILIES:
+        for i in range(per_family):
+            ex = sample_example(family, rng)
+            parts.append(f"--- {family} sample {i + 1}\nPROMPT: {ex.prompt!r}\nCOMPLETION:\n{ex.completion}")
+    return "\n".join(parts)

@@ -1,0 +1,181 @@
+"""Sorting, maximum of a list, comparing two numbers and parity: samplers and trace renderers."""
+from __future__ import annotations
+
+import random
+
+from mtp_core.data.phrasing import (
+    Trace, digits_of, maybe, number_list, pick, place, style_for_line, with_connector,
+)
+
+
+def _values(rng: random.Random, count: int) -> tuple[int, ...]:
+    high = 999 if maybe(rng, 0.2) else 99
+    return tuple(rng.randint(0, high) for _ in range(count))
+
+
+# ------------------------------------------------------------------ sorting
+
+def sample_sort(rng: random.Random) -> tuple[str, tuple[int, ...]]:
+    return ("desc" if maybe(rng, 0.3) else "asc"), _values(rng, rng.randint(3, 7))
+
+
+def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
+    direction, values = ops
+    asc = direction == "asc"
+    shown = number_list(values)
+    if asc:
+        question = pick(rng, (f"Sort these numbers in ascending order: {shown}.",
+                              f"Put {shown} in order from smallest to largest.",
+                              f"Arrange in increasing order: {shown}."))
+    else:
+        question = pick(rng, (f"Sort these numbers in descending order: {shown}.",
+                              f"Put {shown} in order from largest to smallest.",
+                              f"Arrange in decreasing order: {shown}."))
+    target = sorted(values, reverse=not asc)
+    word = "smallest" if asc else "largest"
+    lines: list[str] = []
+    if maybe(rng, 0.6):
+        lines.append(pick(rng, (f"I'll repeatedly take the {word} remaining number.",
+                                f"Let me pick out the {word} number each time.",
+                                f"Find the {word}, remove it, and repeat.")))
+        rest, style = list(values), rng.randrange(4)
+        for v in target[:-1]:
+            before = number_list(rest)
+            rest.remove(v)
+            lines.append((f"{word.capitalize()} of {before}: {v}.", f"The {word} of {before} is {v}.",
+                          f"Take {v}. {pick(rng, ('Left', 'Remaining'))}: {number_list(rest)}.",
+                          f"Next {word}: {v}, leaving {number_list(rest)}.")[style_for_line(rng, style, 4)])
+        lines.append(pick(rng, (f"Only {rest[0]} is left.", f"The last one is {rest[0]}.", f"Take {rest[0]}.")))
+    else:
+        lines.append(pick(rng, ("I'll insert the numbers one at a time into a sorted list.",
+                                "Let me build the sorted list by inserting one number at a time.")))
+        lines.append(pick(rng, (f"Start with {values[0]}.", f"Begin with {values[0]}.")))
+        style = rng.randrange(3)
+        for i in range(1, len(values)):
+            v, now = values[i], number_list(sorted(values[:i + 1], reverse=not asc))
+            line = (f"Insert {v}: {now}.", f"Add {v}: {now}.", f"{v} goes in: {now}.")[style_for_line(rng, style, 3)]
+            lines.append(with_connector(rng, line, 0.4, ("Then ", "Next, ")))
+    order = "ascending" if asc else "descending"
+    lines.append(pick(rng, (f"Sorted: {number_list(target)}.", f"In {order} order: {number_list(target)}.",
+                            f"So the order is {number_list(target)}.")))
+    if maybe(rng, 0.5):
+        relation = "no bigger" if asc else "no smaller"
+        lines.append(f"Check: {len(values)} numbers in, {len(values)} numbers out, and each one is "
+                     f"{relation} than the next.")
+    return Trace(question, "\n".join(lines), number_list(target))
+
+
+# ------------------------------------------------------------------ maximum of a list
+
+def sample_max(rng: random.Random) -> tuple[int, ...]:
+    return _values(rng, rng.randint(3, 8))
+
+
+def render_max(values: tuple[int, ...], rng: random.Random) -> Trace:
+    shown = number_list(values)
+    question = pick(rng, (f"What is the largest number in this list: {shown}?", f"Find the maximum of {shown}.",
+                          f"Which is the biggest of these numbers: {shown}?"))
+    lines = [pick(rng, ("I'll scan the list and keep the largest so far.",
+                        "Go through the numbers one by one, tracking the maximum.",
+                        "Let me keep a running maximum."))]
+    cur, style = values[0], rng.randrange(3)
+    lines.append(pick(rng, (f"Start with {cur}.", f"The first number is {cur}, so the max so far is {cur}.")))
+    for v in values[1:]:
+        line_style = style_for_line(rng, style, 3)
+        if line_style == 0:
+            rel = ">" if v > cur else "<" if v < cur else "="
+            line = f"{v} {rel} {cur}, " + (f"new max {v}." if v > cur else f"keep {cur}.")
+        elif line_style == 1:
+            line = f"Compare {v} with {cur}: " + ("they are equal." if v == cur else f"{max(v, cur)} is larger.")
+        else:
+            line = (f"{v} is bigger than {cur}, so the max is now {v}." if v > cur
+                    else f"{v} is not bigger than {cur}, so the max stays {cur}.")
+        lines.append(with_connector(rng, line, 0.4, ("Then ", "Next, ")))
+        cur = max(cur, v)
+    lines.append(pick(rng, (f"The largest is {cur}.", f"So the maximum is {cur}.",
+                            f"After checking all {len(values)}, the biggest is {cur}.")))
+    return Trace(question, "\n".join(lines), str(cur))
+
+
+# ------------------------------------------------------------------ comparing two numbers
+
+def _digits(n: int) -> str:
+    return "1 digit" if n == 1 else f"{n} digits"
+
+
+def sample_compare(rng: random.Random) -> tuple[int, int, str]:
+    n = rng.randint(1, 6)
+    if maybe(rng, 0.35):
+        a, b = rng.randint(0, 10 ** n - 1), rng.randint(0, 10 ** rng.randint(1, 6) - 1)
+    else:   # same length with a shared prefix, so the deciding digit can be anywhere
+        low = 0 if n == 1 else 10 ** (n - 1)
+        a = rng.randint(low, 10 ** n - 1)
+        keep = rng.randint(0, n - 1)
+        suffix = [rng.randint(0, 9) for _ in range(n - keep)]
+        if keep == 0 and n > 1:
+            suffix[0] = rng.randint(1, 9)
+        b = int(str(a)[:keep] + "".join(map(str, suffix)))
+    if a == b:
+        b = a + 1
+    return a, b, ("smaller" if maybe(rng, 0.4) else "larger")
+
+
+def render_compare(ops: tuple[int, int, str], rng: random.Random) -> Trace:
+    a, b, want = ops
+    big, small = max(a, b), min(a, b)
+    if want == "larger":
+        question = pick(rng, (f"Which is larger, {a} or {b}?", f"Which number is bigger: {a} or {b}?",
+                              f"Which is greater, {a} or {b}?"))
+    else:
+        question = pick(rng, (f"Which is smaller, {a} or {b}?", f"Which number is less: {a} or {b}?",
+                              f"Which is the smaller number, {a} or {b}?"))
+    na, nb = len(str(a)), len(str(b))
+    if na != nb:
+        lines = [pick(rng, (f"{a} has {_digits(na)} and {b} has {_digits(nb)}.",
+                            f"Count the digits: {a} has {na}, {b} has {nb}.")),
+                 f"More digits means a bigger number, so {big} is larger."]
+    else:
+        unit = _digits(na)
+        lines = [pick(rng, (f"Both have {unit}, so compare from the left.",
+                            f"{a} and {b} both have {unit}. Compare digit by digit from the left."))]
+        style = rng.randrange(3)
+        for i, (x, y) in enumerate(zip(digits_of(a), digits_of(b))):
+            line_style = style_for_line(rng, style, 3)
+            if line_style == 0:
+                lines.append(f"{x} vs {y}: " + ("same." if x == y else f"{max(x, y)} is bigger."))
+            elif line_style == 1:
+                rel = "=" if x == y else ">" if x > y else "<"
+                lines.append(f"{place(na - 1 - i).capitalize()}: {x} {rel} {y}.")
+            else:
+                lines.append(f"{x} and {y}: " + ("equal, keep going." if x == y else f"{max(x, y)} is larger."))
+            if x != y:
+                break
+        lines.append(pick(rng, (f"So {big} is larger.", f"That decides it: {big} is larger.")))
+    if want == "smaller":
+        lines.append(pick(rng, (f"That means {small} is the smaller one.", f"So the smaller number is {small}.")))
+    if maybe(rng, 0.5):
+        lines.append(pick(rng, (f"Indeed, {big} > {small}.", f"Double-check: {small} < {big}. Yes.")))
+    return Trace(question, "\n".join(lines), str(big if want == "larger" else small))
+
+
+# ------------------------------------------------------------------ parity
+
+def sample_parity(rng: random.Random) -> tuple[int]:
+    return (rng.randint(0, 10 ** rng.randint(1, 6) - 1),)
+
+
+def render_parity(ops: tuple[int], rng: random.Random) -> Trace:
+    (n,) = ops
+    d = n % 10
+    par = "even" if d % 2 == 0 else "odd"
+    question = pick(rng, (f"Is {n} even or odd?", f"Is {n} odd or even?", f"Determine whether {n} is even or odd.",
+                          f"What is the parity of {n}?"))
+    lines = []
+    if maybe(rng, 0.5):
+        lines.append(pick(rng, ("A number is even when its last digit is 0, 2, 4, 6 or 8.",
+                                "Only the last digit matters for parity.")))
+    lines.append(pick(rng, (f"The last digit of {n} is {d}.", f"{n} ends in {d}.", f"Look at the last digit: {d}.")))
+    lines.append(pick(rng, (f"{d} is {par}.", f"{d} divided by 2 leaves remainder {d % 2}, so it is {par}.",
+                            f"{d} is {'in' if par == 'even' else 'not in'} 0, 2, 4, 6, 8, so it is {par}.")))
+    lines.append(pick(rng, (f"So {n} is {par}.", f"Therefore {n} is an {par} number.", f"Hence {n} is {par}.")))
+    return Trace(question, "\n".join(lines), par)

@@ -1,0 +1,129 @@
+"""Small helpers that put controlled randomness into reasoning traces.
+
+Every trace is built from a per-example *style* (picked once, then reused for every step, so the steps
+stay predictable once the first one is seen) plus a few optional lines (openings, re-checks, asides).
+The uncertainty a perfect model faces is thus concentrated at phrase boundaries, while the digit-level
+working is a fixed function of the operands. `ngram_predictability` gives a rough measure of that.
+"""
+from __future__ import annotations
+
+import random
+import re
+from collections import Counter, defaultdict
+from typing import Iterable, NamedTuple, Sequence
+
+
+class Trace(NamedTuple):
+    """What a task family produces for one question (`summary` is an optional restating line)."""
+    question: str
+    reasoning: str
+    answer: str
+    summary: str = ""
+
+
+PLACES = ("ones", "tens", "hundreds", "thousands", "ten-thousands", "hundred-thousands")
+
+# Common English words (3-10 letters) for the letter-counting and word-reversal families.
+WORDS: tuple[str, ...] = tuple(dict.fromkeys("""
+apple banana cherry grape lemon mango melon orange peach pear plum berry strawberry raspberry
+blueberry coconut pepper tomato potato carrot onion garlic butter cheese bread honey sugar coffee
+water river ocean island forest desert valley mountain canyon meadow garden flower tree leaf branch
+root seed stone rock sand cloud rain storm thunder snow winter summer autumn spring morning evening
+night today tomorrow yesterday moment minute hour second season planet comet rocket galaxy moon star
+sun earth world country city village street bridge tower castle palace temple school library museum
+market office kitchen bedroom window door table chair pillow blanket mirror bottle basket bucket
+candle lantern ladder hammer needle thread button pocket jacket sweater shirt trousers boots hat
+glove scarf umbrella wallet ticket letter paper pencil marker eraser notebook journal story poem song
+music guitar piano violin trumpet drum dance party picnic holiday travel journey voyage harbor anchor
+sailor pirate captain soldier doctor nurse teacher student farmer baker butcher painter writer
+singer player driver pilot engineer lawyer banker tailor hunter fisher keeper dragon tiger lion
+zebra giraffe monkey rabbit turtle parrot penguin dolphin whale shark salmon octopus spider beetle
+butterfly mosquito elephant kangaroo squirrel hedgehog raccoon buffalo camel donkey horse pony
+sheep goat chicken duck goose eagle falcon owl raven sparrow pigeon swallow robin kitten puppy
+mirror balloon bubble puzzle riddle secret mystery treasure diamond silver golden copper iron
+marble crystal velvet cotton silk wool leather rubber plastic metal wooden glass purple yellow
+green orange scarlet crimson violet indigo brown black white gray happy sleepy hungry thirsty
+angry brave clever gentle quiet noisy lucky simple strange narrow shallow hollow yellow mellow
+follow borrow sorrow arrow barrel cellar collar dollar pillar error mirror terror carrier
+committee coffee toffee address access success possess assess mississippi tennessee banana
+parallel illegal balloon cabbage rabbit pepper hippo apple giggle juggle puzzle bubble pebble
+little middle bottle kettle settle battle cattle rattle paddle saddle puddle cuddle
+computer keyboard monitor printer network program python number letter answer question problem
+system engine signal string integer decimal fraction average total counter reverse sorting
+between before after during inside outside above below around across against along among
+through without within beyond always never often seldom maybe really almost already
+""".split()))
+
+
+def pick(rng: random.Random, options: Sequence[str]) -> str:
+    return options[rng.randrange(len(options))]
+
+
+def maybe(rng: random.Random, p: float) -> bool:
+    return rng.random() < p
+
+
+def with_connector(rng: random.Random, line: str, p: float = 0.5,
+                   options: Sequence[str] = ("Next, ", "Then ", "Now ", "After that, ")) -> str:
+    """Sometimes start a step with a connective word: 'Then ones: ...'."""
+    if not maybe(rng, p):
+        return line
+    return pick(rng, options) + line[0].lower() + line[1:]
+
+
+def style_for_line(rng: random.Random, main: int, num_styles: int, p_switch: float = 0.4) -> int:
+    """The example's main style, or (with probability `p_switch`) another one for this line only."""
+    if num_styles > 1 and maybe(rng, p_switch):
+        return (main + 1 + rng.randrange(num_styles - 1)) % num_styles
+    return main
+
+
+def digits_of(n: int) -> list[int]:
+    """Decimal digits of a non-negative integer, most significant first: 4821 -> [4, 8, 2, 1]."""
+    return [int(c) for c in str(n)]
+
+
+def place(i: int) -> str:
+    """Place name of the i-th column counted from the right (0 = ones)."""
+    return PLACES[i]
+
+
+def join_and(items: Sequence[str]) -> str:
+    """'3', '3 and 8', '3, 8 and 9'."""
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def times(n: int) -> str:
+    return "once" if n == 1 else "twice" if n == 2 else f"{n} times"
+
+
+def number_list(values: Iterable[int]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+_WORD_RE = re.compile(r"\d+|[A-Za-z]+|[^\sA-Za-z\d]")
+
+
+def words_for_predictability(text: str) -> list[str]:
+    """Word/punctuation units with every number replaced by <N> (the digits are computed, not phrased)."""
+    return ["<N>" if w[0].isdigit() else w for w in _WORD_RE.findall(text)]
+
+
+def ngram_predictability(texts: Sequence[str], order: int = 3) -> float:
+    """Accuracy of the best order-`order` predictor of the next unit, fitted on `texts` themselves.
+
+    For each context of `order` previous units the best predictor guesses the most frequent next unit,
+    so the score is sum over contexts of max-count / total count. Numbers count as one determined unit
+    `<N>`; a rough stand-in for how much of a trace a strong model can predict one step ahead.
+    """
+    counts: dict[tuple[str, ...], Counter[str]] = defaultdict(Counter)
+    for text in texts:
+        units = ["<S>"] * order + words_for_predictability(text)
+        for i in range(order, len(units)):
+            counts[tuple(units[i - order:i])][units[i]] += 1
+    total = sum(sum(c.values()) for c in counts.values())
+    if total == 0:
+        raise ValueError("ngram_predictability needs at least one non-empty text")
+    return sum(max(c.values()) for c in counts.values()) / total

@@ -1,0 +1,89 @@
+"""The task families and the train/eval split.
+
+A family is an operand sampler, a trace renderer and a canonical form of the operands. The split is a
+hash of (family, canonical operands), so a held-out question never appears in training, whatever the
+seed: `sample_operands(..., split="train")` rejects operands whose hash lands in the eval share.
+The canonical form ignores operand order where the answer does (a + b vs b + a, the order of a list
+to sort), so even a reordered eval question is never trained on.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import random
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mtp_core.data import arithmetic, lists, words
+from mtp_core.data.phrasing import Trace
+
+SPLITS = ("train", "eval")
+_MAX_TRIES = 100_000
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    sample: Callable[[random.Random], tuple]            # operands, as they appear in the question
+    render: Callable[[Any, random.Random], Trace]
+    canonical: Callable[[tuple], tuple]                 # the key the split is decided on
+    weight: float                                       # share of training examples
+    eval_percent: int = 10                              # share of the operand space held out
+
+
+def _unordered(ops: tuple) -> tuple:
+    return tuple(sorted(ops))
+
+
+FAMILY_SPECS: dict[str, Family] = {f.name: f for f in (
+    Family("add", arithmetic.sample_add, arithmetic.render_add, _unordered, 0.17),
+    Family("sub", arithmetic.sample_sub, arithmetic.render_sub, tuple, 0.17),
+    Family("mul", arithmetic.sample_mul, arithmetic.render_mul, _unordered, 0.20),
+    Family("sort", lists.sample_sort, lists.render_sort, lambda ops: tuple(sorted(ops[1])), 0.10),
+    Family("count", words.sample_count, words.render_count, tuple, 0.09),
+    Family("compare", lists.sample_compare, lists.render_compare, lambda ops: tuple(sorted(ops[:2])), 0.08),
+    Family("max", lists.sample_max, lists.render_max, _unordered, 0.07),
+    # Only ~350 words: hold out a fifth of them so 50 distinct eval questions exist.
+    Family("reverse", words.sample_reverse, words.render_reverse, tuple, 0.07, eval_percent=20),
+    Family("parity", lists.sample_parity, lists.render_parity, tuple, 0.05),
+)}
+
+
+def _check_family(family: str) -> Family:
+    if family not in FAMILY_SPECS:
+        raise ValueError(f"unknown task family {family!r}; use one of {', '.join(FAMILY_SPECS)}")
+    return FAMILY_SPECS[family]
+
+
+def split_of(family: str, ops: tuple) -> str:
+    """'eval' for the held-out share of the operand space of `family`, else 'train'."""
+    spec = _check_family(family)
+    digest = hashlib.sha256(f"{family}:{spec.canonical(ops)!r}".encode()).digest()
+    return "eval" if int.from_bytes(digest[:8], "big") % 100 < spec.eval_percent else "train"
+
+
+def sample_operands(family: str, rng: random.Random, split: str = "train") -> tuple:
+    spec = _check_family(family)
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; use 'train' or 'eval'")
+    for _ in range(_MAX_TRIES):
+        ops = spec.sample(rng)
+        if split_of(family, ops) == split:
+            return ops
+    raise AssertionError(f"no {split} operands for {family} after {_MAX_TRIES} draws")
+
+
+def render(family: str, ops: tuple, rng: random.Random) -> Trace:
+    """The trace for fixed operands; only the wording depends on `rng`."""
+    return _check_family(family).render(ops, rng)
+
+
+def generate(family: str, rng: random.Random, split: str = "train") -> Trace:
+    """One (question, reasoning, answer, summary) of `family` from `split`."""
+    return render(family, sample_operands(family, rng, split), rng)
+
+
+# The families as plain (rng, split) -> Trace functions.
+TASKS: dict[str, Callable[[random.Random, str], Trace]] = {
+    name: functools.partial(generate, name) for name in FAMILY_SPECS
+}

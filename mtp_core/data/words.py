@@ -1,0 +1,78 @@
+"""Counting a letter in a word and reversing a word: samplers and trace renderers."""
+from __future__ import annotations
+
+import random
+import string
+
+from mtp_core.data.phrasing import WORDS, Trace, join_and, maybe, pick, times
+
+
+# ------------------------------------------------------------------ counting a letter
+
+def sample_count(rng: random.Random) -> tuple[str, str]:
+    word = pick(rng, WORDS)
+    letter = pick(rng, word) if maybe(rng, 0.75) else pick(rng, string.ascii_lowercase)
+    return word, letter
+
+
+def render_count(ops: tuple[str, str], rng: random.Random) -> Trace:
+    word, letter = ops
+    count = word.count(letter)
+    question = pick(rng, (f"How many times does the letter '{letter}' appear in \"{word}\"?",
+                          f"How many '{letter}'s are in the word \"{word}\"?",
+                          f"Count the letter '{letter}' in \"{word}\".",
+                          f"In the word \"{word}\", how many times does '{letter}' occur?"))
+    lines = [pick(rng, (f"Let me spell \"{word}\" and count the {letter}'s.",
+                        f"I'll go through \"{word}\" letter by letter.",
+                        f"Spell it out and look for '{letter}'."))]
+    positions = [str(i + 1) for i, c in enumerate(word) if c == letter]
+    if maybe(rng, 0.5):
+        lines.append(f"The word has {len(word)} letters.")
+    if maybe(rng, 0.5):
+        lines.append(f"{'-'.join(word)}.")
+        mark = pick(rng, ("{c} ({n})", "{c} (that's {n})", "{c} -> {n}"))
+        marked, running = [], 0
+        for c in word:
+            running += c == letter
+            marked.append(mark.format(c=c, n=running) if c == letter else c)
+        lines.append(pick(rng, ("", "Counting: ", "Going through: ")) + ", ".join(marked) + ".")
+    else:
+        lines.append(f"Letters: {', '.join(word)}.")
+        if positions:
+            noun = "position" if count == 1 else "positions"
+            lines.append(f"'{letter}' is at {noun} {join_and(positions)}.")
+        else:
+            lines.append(f"There is no '{letter}' in it.")
+    if count == 0:
+        lines.append(pick(rng, (f"So '{letter}' does not appear; the count is 0.", f"No {letter} at all, so 0.")))
+    else:
+        lines.append(pick(rng, (f"So '{letter}' appears {times(count)} in \"{word}\".", f"That makes {count}.",
+                                f"Total: {count}.")))
+        if maybe(rng, 0.5):
+            lines.append(f"Let me recount the positions: {join_and(positions)}. Yes, {count}.")
+    return Trace(question, "\n".join(lines), str(count))
+
+
+# ------------------------------------------------------------------ reversing a word
+
+def sample_reverse(rng: random.Random) -> tuple[str]:
+    return (pick(rng, WORDS),)
+
+
+def render_reverse(ops: tuple[str], rng: random.Random) -> Trace:
+    (word,) = ops
+    rev = word[::-1]
+    question = pick(rng, (f"Reverse the word \"{word}\".", f"What is \"{word}\" spelled backwards?",
+                          f"Write \"{word}\" in reverse order."))
+    lines = [pick(rng, (f"Spell \"{word}\" forwards, then read it backwards.",
+                        "Let me list the letters and reverse them.",
+                        f"I'll take the letters of \"{word}\" from last to first."))]
+    if maybe(rng, 0.5):
+        lines.append(f"\"{word}\" has {len(word)} letters.")
+    sep = pick(rng, ("-", ", "))
+    lines.append(pick(rng, ("Letters: ", "Forwards: ")) + sep.join(word) + ".")
+    lines.append(pick(rng, ("Backwards: ", "Reversed: ")) + sep.join(rev) + ".")
+    lines.append(pick(rng, (f"Joined: {rev}.", f"Put together: {rev}.", f"So the reversed word is {rev}.")))
+    if maybe(rng, 0.5):
+        lines.append(f"Check: the first letter {word[0]} is now last, and the last letter {word[-1]} is now first.")
+    return Trace(question, "\n".join(lines), rev)

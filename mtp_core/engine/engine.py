@@ -1,0 +1,204 @@
+"""The step loop. One step reads like the algorithm:
+
+    rows   = scheduler.schedule()        # prefill chunks / decode rows of 1+K tokens; KV slots reserved
+    out    = runner.execute(rows)        # target forward -> hidden states, logits
+    result = verify(out, rows)           # emitted tokens per row (accepted drafts + bonus)
+    inputs = commit(rows, result, out)   # append tokens, stop checks, statistics, new valid lengths
+    drafts = drafter.propose(inputs)     # K MTP forwards per row -> next drafts
+    rewind(rows, drafts)                 # store drafts, drop KV of rejected drafts, free finished
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Optional
+
+import torch
+
+from mtp_core.config import LLMConfig
+from mtp_core.engine.model_runner import ModelRunner, TargetOutput
+from mtp_core.engine.scheduler import ScheduledRow, Scheduler
+from mtp_core.engine.sequence import Sequence
+from mtp_core.kv_cache.block_manager import BlockManager
+from mtp_core.kv_cache.mla_cache import allocate_caches, plan_num_blocks
+from mtp_core.model import DeepseekV3ForCausalLM
+from mtp_core.sampling import SamplingParams
+from mtp_core.speculative.drafter import DraftInput, Drafter, EagleDrafter, VanillaDrafter
+from mtp_core.speculative.stats import SpecStats
+from mtp_core.speculative.verifier import VerifyResult, verify
+
+log = logging.getLogger("mtp.engine")
+
+
+class Engine:
+    def __init__(self, model: DeepseekV3ForCausalLM, cfg: LLMConfig, eos_token_ids: list[int],
+                 think_ids: Optional[tuple[int, int]] = None, drafter: Optional[Drafter] = None,
+                 iter_log: Optional[Callable[[str], None]] = None) -> None:
+        self.model, self.cfg = model, cfg
+        self.eos_token_ids = set(eos_token_ids)
+        self.think_ids = think_ids
+        spec = cfg.speculative_config
+        self.K = spec.max_draft_len if spec else 0
+        self.max_seq_len = cfg.max_seq_len or model.config.max_position_embeddings
+        self.relaxed = (spec.relaxed_topk, spec.relaxed_delta) if spec and spec.use_relaxed_acceptance_for_thinking \
+            else None
+        if self.relaxed and think_ids is None:
+            raise ValueError("relaxed acceptance for thinking needs <think> and </think> tokens, but the tokenizer "
+                             "has neither; drop --use_relaxed_acceptance_for_thinking")
+        kv = cfg.kv_cache_config
+        device = cfg.device
+        dtype = next(model.parameters()).dtype
+        num_layers = len(model.model.layers) if self.K else model.num_main_layers
+        num_blocks = plan_num_blocks(model.config, kv, num_layers, dtype, device,
+                                     cfg.max_batch_size * (self.max_seq_len + 2 * self.K))
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache pool holds no block of {kv.tokens_per_block} tokens; raise "
+                             "kv_cache_config.max_tokens or --kv_cache_fraction")
+        self.caches = allocate_caches(model.config, num_layers, num_blocks, kv.tokens_per_block, dtype, device)
+        self.pool_tokens = num_blocks * kv.tokens_per_block
+        self.blocks = BlockManager(num_blocks, kv.tokens_per_block)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, self.K + 1), self.K,
+                                   cfg.enable_chunked_prefill)
+        self.runner = ModelRunner(model, self.caches, kv.tokens_per_block, device)
+        self.drafter = drafter if drafter is not None else self._make_drafter()
+        self.stats = SpecStats()
+        self.iter_log = iter_log
+        self.num_steps = 0
+
+    def _make_drafter(self) -> Optional[Drafter]:
+        spec = self.cfg.speculative_config
+        if not spec:
+            return None
+        n = self.model.num_mtp_modules
+        if n == 0:
+            raise ValueError("--spec_decode_algo MTP needs MTP modules, but the checkpoint has "
+                             "num_nextn_predict_layers = 0")
+        mode = spec.resolved_mode(n)
+        cls = VanillaDrafter if mode == "vanilla" else EagleDrafter
+        log.info("MTP %s drafting, max_draft_len=%d, %d module(s) in the checkpoint", mode, self.K, n)
+        return cls(self.model, self.caches, self.blocks.tokens_per_block, self.K)
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(prompt_ids) >= self.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but max_seq_len is {self.max_seq_len}; "
+                             "shorten the prompt or raise --max_seq_len")
+        need = len(prompt_ids) + 1 + 2 * self.K
+        if need > self.pool_tokens:
+            raise ValueError(f"the prompt needs {need} KV slots but the whole KV cache pool holds "
+                             f"{self.pool_tokens}; raise kv_cache_config.max_tokens or --kv_cache_fraction")
+        seq = Sequence(list(prompt_ids), params, arrival_time=time.perf_counter())
+        if params.seed is not None:
+            seq.generator = torch.Generator().manual_seed(params.seed + seq.request_id * 0)
+        if self.think_ids is not None:
+            start, end = self.think_ids
+            last = max((i for i, t in enumerate(prompt_ids) if t in (start, end)), default=-1)
+            seq.in_thinking = last >= 0 and prompt_ids[last] == start
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Runs one engine step; returns the sequences that made progress (finished ones included)."""
+        t0 = time.perf_counter()
+        rows = self.scheduler.schedule()
+        if not rows:
+            return []
+        try:
+            out = self.runner.execute(rows)
+            result = self._verify(rows, out)
+            inputs = self._commit(rows, result, out)
+            drafts = self.drafter.propose(inputs) if self.drafter else [[] for _ in inputs]
+            self._rewind(inputs, drafts)
+        except BaseException:
+            # leave no half-done step behind: every sequence of this step is finished with "abort"
+            for r in rows:
+                if not r.seq.is_finished:
+                    r.seq.finish_reason = "abort"
+                    self.scheduler.finish(r.seq)
+            raise
+        self.num_steps += 1
+        if self.iter_log:
+            ntok = sum(len(r.token_ids) for r in rows)
+            acc = sum(len(t) - 1 for r, t in zip(rows, result.tokens) if not r.is_prefill)
+            self.iter_log(f"iter {self.num_steps}: batch {len(rows)} ({sum(r.is_prefill for r in rows)} prefill), "
+                          f"tokens {ntok}, accepted drafts {acc}, step {1e3 * (time.perf_counter() - t0):.2f} ms")
+        return [r.seq for r in rows]
+
+    def _verify(self, rows: list[ScheduledRow], out: TargetOutput) -> VerifyResult:
+        tokens: list[list[int]] = [[] for _ in rows]
+        for group in (
+            [i for i, r in enumerate(rows) if not r.is_prefill],
+            [i for i, r in enumerate(rows) if r.is_final_chunk],
+        ):
+            if not group:
+                continue
+            logits = torch.stack([out.logits[i] for i in group])           # [B, K+1 or 1, V]
+            drafts = torch.tensor([rows[i].token_ids[1:] if not rows[i].is_prefill else [] for i in group],
+                                  dtype=torch.long).view(len(group), -1)                # [B, K or 0]
+            seqs = [rows[i].seq for i in group]
+            res = verify(logits, drafts, [s.params for s in seqs],
+                         [self.relaxed if s.in_thinking else None for s in seqs], [s.generator for s in seqs])
+            for i, t in zip(group, res.tokens):
+                tokens[i] = t
+        return VerifyResult(tokens)
+
+    def _commit(self, rows: list[ScheduledRow], result: VerifyResult, out: TargetOutput) -> list[DraftInput]:
+        now = time.perf_counter()
+        inputs: list[DraftInput] = []
+        for r, emitted, hidden in zip(rows, result.tokens, out.hidden):
+            seq = r.seq
+            if r.is_prefill:
+                seq.num_prefilled += len(r.token_ids)
+            if emitted:
+                n_emitted = self._append(seq, emitted)
+                proposed = len(r.token_ids) - 1 if not r.is_prefill else 0
+                seq.stats.record_step(n_emitted, proposed, len(emitted) - 1)
+                self.stats.record_step(n_emitted, proposed, len(emitted) - 1)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+            valid = r.start + (len(r.token_ids) if r.is_prefill else len(emitted))
+            seq.num_cached = valid
+            if seq.is_finished:
+                seq.finish_time = now
+                continue
+            n_new = valid - r.start
+            inputs.append(DraftInput(seq, r.start, seq.all_ids[r.start + 1: valid + 1], hidden[:n_new],
+                                     needs_drafts=not (r.is_prefill and not r.is_final_chunk)))
+        return inputs
+
+    def _append(self, seq: Sequence, emitted: list[int]) -> int:
+        """Appends tokens one by one, stopping at EOS / stop ids / max_tokens / max_seq_len."""
+        n = 0
+        for tok in emitted:
+            p = seq.params
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                seq.finish_reason = "stop"
+                break
+            seq.output_ids.append(tok)
+            n += 1
+            if self.think_ids is not None:
+                if tok == self.think_ids[0]:
+                    seq.in_thinking = True
+                elif tok == self.think_ids[1]:
+                    seq.in_thinking = False
+            if len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.max_seq_len:
+                seq.finish_reason = "length"
+                break
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+        return n
+
+    def _rewind(self, inputs: list[DraftInput], drafts: list[list[int]]) -> None:
+        for inp, d in zip(inputs, drafts):
+            inp.seq.drafts = d
+            self.blocks.rewind(inp.seq.block_table, inp.seq.num_cached)

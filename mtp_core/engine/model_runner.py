@@ -1,0 +1,37 @@
+"""Runs the target model over one scheduled batch and returns hidden states and logits per row."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtp_core.engine.scheduler import ScheduledRow
+from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+
+
+@dataclass
+class TargetOutput:
+    hidden: list[torch.Tensor]        # per row [n_row, H]: main hidden after the final norm
+    logits: list[torch.Tensor | None] # per row: [K+1, V] decode, [1, V] final prefill chunk, None otherwise
+
+
+class ModelRunner:
+    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int,
+                 device: str) -> None:
+        self.model, self.caches, self.tokens_per_block, self.device = model, caches, tokens_per_block, device
+
+    @torch.inference_mode()
+    def execute(self, rows: list[ScheduledRow]) -> TargetOutput:
+        positions = [list(range(r.start, r.start + len(r.token_ids))) for r in rows]
+        meta = AttentionMetadata.build(positions, [r.seq.block_table for r in rows], self.tokens_per_block,
+                                       use_absorbed=not any(r.is_prefill for r in rows), device=self.device)
+        ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long, device=self.device)
+        hidden = self.model(ids, meta, self.caches)                          # [T, H]
+        per_row = list(hidden.split([len(r.token_ids) for r in rows]))
+        # one lm_head call for every position whose logits are needed
+        wanted = [h if not r.is_prefill else h[-1:] for r, h in zip(rows, per_row)
+                  if not r.is_prefill or r.is_final_chunk]
+        logits_iter = iter(self.model.compute_logits(torch.cat(wanted)).split([len(w) for w in wanted])) \
+            if wanted else iter(())
+        logits = [next(logits_iter) if (not r.is_prefill or r.is_final_chunk) else None for r in rows]
+        return TargetOutput(per_row, logits)

@@ -1,0 +1,132 @@
+"""In-flight batching: which rows run in the next step, with KV slots reserved for them.
+
+Every running sequence gets one row per step: its next prefill chunk, or a decode row of 1+K tokens
+([last token, d_1..d_K]). Rows are admitted up to max_batch_size sequences and max_num_tokens tokens (a
+decode row costs K+1). Before a row runs, its block table is grown to cover every slot the step may
+write: the target's K+1 positions plus the MTP chain's K-1 overshoot. When the pool runs dry the most
+recently admitted sequence is preempted: its blocks are freed and it is later prefilled again over
+prompt + output so far (recompute), which leaves the output unchanged.
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from mtp_core.engine.sequence import Sequence, Status
+from mtp_core.kv_cache.block_manager import BlockManager
+
+log = logging.getLogger("mtp.scheduler")
+
+
+@dataclass
+class ScheduledRow:
+    seq: Sequence
+    is_prefill: bool
+    token_ids: list[int]          # tokens fed to the target this step
+    start: int                    # position of token_ids[0]
+
+    @property
+    def is_final_chunk(self) -> bool:
+        return self.is_prefill and self.start + len(self.token_ids) == self.seq.prefill_target
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int,
+                 enable_chunked_prefill: bool) -> None:
+        self.blocks = blocks
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.K = num_draft_tokens
+        self.chunked = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def overshoot(self) -> int:
+        return max(self.K - 1, 0)
+
+    # ---- one step ------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledRow]:
+        rows: list[ScheduledRow] = []
+        budget = self.max_num_tokens
+        # decode rows first: they hold blocks already and are latency-critical
+        for seq in list(self.running):
+            if seq.is_prefilling or seq not in self.running:
+                continue
+            if budget < self.K + 1:
+                break
+            end = seq.num_cached + self.K + 1 + self.overshoot()
+            if not self._reserve_or_preempt(seq, end):
+                continue
+            rows.append(ScheduledRow(seq, False, [seq.all_ids[-1], *seq.drafts], seq.num_cached))
+            budget -= self.K + 1
+        # then prefill chunks of running sequences, then new admissions (FIFO)
+        candidates = [s for s in self.running if s.is_prefilling]
+        num_new = 0
+        while self.waiting and len(self.running) + num_new < self.max_batch_size:
+            candidates.append(self.waiting.popleft())
+            num_new += 1
+        deferred: list[Sequence] = []
+        for seq in candidates:
+            admitted = seq in self.running
+            remaining = (seq.prefill_target - seq.num_prefilled) if admitted else len(seq.all_ids)
+            n = min(remaining, budget) if self.chunked else remaining
+            final = (seq.num_prefilled if admitted else 0) + n == (seq.prefill_target if admitted else remaining)
+            end = (seq.num_prefilled if admitted else 0) + n + (self.overshoot() if final else 0)
+            if n <= 0 or n > budget or not self.blocks.can_reserve(seq.block_table, end):
+                if not admitted:
+                    deferred.append(seq)
+                continue
+            if not admitted:
+                seq.start_prefill()
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            self.blocks.reserve(seq.block_table, end)
+            a = seq.num_prefilled
+            rows.append(ScheduledRow(seq, True, seq.all_ids[a:a + n], a))
+            budget -= n
+        self.waiting.extendleft(reversed(deferred))
+        return rows
+
+    def _reserve_or_preempt(self, seq: Sequence, end: int) -> bool:
+        while not self.blocks.can_reserve(seq.block_table, end):
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                raise MemoryError(f"the KV cache pool ({self.blocks.num_blocks * self.blocks.tokens_per_block} "
+                                  f"tokens) cannot hold request {seq.request_id} at {end} tokens")
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.reserve(seq.block_table, end)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status = Status.WAITING
+        seq.num_cached = 0
+        seq.num_prefilled = 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        log.info("preempted request %d (recompute later); %d free blocks", seq.request_id,
+                 self.blocks.num_free_blocks)
+
+    # ---- after the step ------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status = Status.FINISHED
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish_reason = "abort"
+        self.finish(seq)

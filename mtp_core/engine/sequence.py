@@ -1,0 +1,65 @@
+"""One request's state inside the engine."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from mtp_core.sampling import SamplingParams
+from mtp_core.speculative.stats import SpecStats
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: int = field(default_factory=lambda: next(_ids))
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: Optional[str] = None          # "stop" | "length" | "abort"
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0          # positions 0..num_cached-1 hold valid KV in every layer (main and MTP)
+    num_prefilled: int = 0       # how far the current prefill (prompt + recomputed output) has come
+    drafts: list[int] = field(default_factory=list)   # drafts proposed for the next step
+    in_thinking: bool = False    # relaxed acceptance applies only while True
+    window_tokens: list[int] = field(default_factory=list)   # Vanilla: last K positions' tokens
+    window_hidden: Optional[torch.Tensor] = None              # Vanilla: their main hidden states [<=K, H]
+    stats: SpecStats = field(default_factory=SpecStats)
+    generator: Optional[torch.Generator] = None
+    first_token_time: Optional[float] = None
+    arrival_time: float = 0.0
+    finish_time: Optional[float] = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    prefill_target: int = 0     # tokens the current prefill covers
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_prefilled < self.prefill_target
+
+    def start_prefill(self) -> None:
+        """(Re)start prefill over every known token; used on admission and after preemption."""
+        self.prefill_target = len(self.prompt_ids) + len(self.output_ids)
+        self.num_prefilled = 0
+        self.num_cached = 0
+        self.drafts = []
+        self.window_tokens = []
+        self.window_hidden = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

@@ -1,0 +1,83 @@
+"""DeepSeek-V3 causal LM with its MTP modules, laid out exactly as the Hugging Face checkpoint.
+
+`model.layers[0 .. L-1]` are the main decoder layers; `model.layers[L + k]` is MTP module k (0-based),
+so `state_dict()` names equal the checkpoint names. The MTP modules share `model.embed_tokens` and
+`lm_head` (one copy in memory). KV caches are indexed the same way: cache[i] belongs to model.layers[i].
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mtp_core.config import ModelConfig
+from mtp_core.model.attention_metadata import AttentionMetadata
+from mtp_core.model.decoder_layer import DecoderLayer
+from mtp_core.model.layers import RMSNorm
+from mtp_core.model.mtp import MTPModule
+from mtp_core.model.rope import RotaryEmbedding
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        L = cfg.num_hidden_layers
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layers: list[nn.Module] = [DecoderLayer(cfg, i) for i in range(L)]
+        layers += [MTPModule(cfg, L + k) for k in range(cfg.num_nextn_predict_layers)]
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekV3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg)
+        self.num_main_layers = cfg.num_hidden_layers
+
+    @property
+    def num_mtp_modules(self) -> int:
+        return len(self.model.layers) - self.num_main_layers
+
+    def mtp_module(self, k: int) -> MTPModule:
+        return self.model.layers[self.num_main_layers + k]  # type: ignore[return-value]
+
+    # ---- serving (paged cache) -----------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids [T] -> hidden [T, hidden] after the final norm."""
+        cos, sin = self.rope.cos_sin(meta.positions)
+        x = self.model.embed_tokens(input_ids)
+        for i in range(self.num_main_layers):
+            x = self.model.layers[i].block(x, self.rope, cos, sin, meta, kv_caches[i])
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, k: int, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                    kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """MTP module k: input_ids [T], hidden [T, hidden] -> h_out [T, hidden]."""
+        cos, sin = self.rope.cos_sin(meta.positions)
+        layer = self.num_main_layers + k
+        return self.mtp_module(k)(self.model.embed_tokens(input_ids), hidden, self.rope, cos, sin, meta,
+                                  kv_caches[layer])
+
+    # ---- training / reference (no cache) -------------------------------------------------
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] -> hidden [B, S, hidden] after the final norm (causal, positions 0..S-1)."""
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = self.rope.cos_sin(pos)
+        x = self.model.embed_tokens(input_ids)
+        for i in range(self.num_main_layers):
+            x = self.model.layers[i].block(x, self.rope, cos, sin, None, None)
+        return self.model.norm(x)
+
+    def mtp_forward_dense(self, k: int, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """MTP module k without a cache: input_ids [B, S], hidden [B, S, hidden] -> [B, S, hidden]."""
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        cos, sin = self.rope.cos_sin(pos)
+        return self.mtp_module(k)(self.model.embed_tokens(input_ids), hidden, self.rope, cos, sin, None, None)

@@ -1,0 +1,127 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3), Hugging Face parameter names.
+
+Per token only the latent `c_kv` (kv_lora_rank) and the shared rope key `k_pe` (qk_rope_head_dim) are
+cached. Two equivalent ways to attend over them:
+
+  naive     expand the cached latents with kv_b_proj into per-head keys/values, then plain attention;
+            cheap when many queries share the keys (prefill).
+  absorbed  fold kv_b_proj's key half into the query (q_nope @ W_UK -> latent space) and its value half
+            into the output, so scores and the weighted sum run directly on the latent cache; cheap
+            when a few queries face a long cache (decode, verification of 1+K tokens).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtp_core.config import ModelConfig
+from mtp_core.model.attention_metadata import AttentionMetadata
+from mtp_core.model.layers import RMSNorm
+from mtp_core.model.rope import RotaryEmbedding
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.qk_nope_head_dim = cfg.qk_nope_head_dim
+        self.qk_rope_head_dim = cfg.qk_rope_head_dim
+        self.qk_head_dim = cfg.qk_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.q_lora_rank = cfg.q_lora_rank
+        self.softmax_scale = cfg.softmax_scale
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                   bias=False)
+        self.o_proj = nn.Linear(self.num_heads * cfg.v_head_dim, h, bias=bias)
+
+    # ---- projections ---------------------------------------------------------------------
+    def _project(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., T, hidden] -> q_nope [..., T, H, dn], q_pe [..., T, H, dr] (roped), kv [..., T, r+dr]."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(*x.shape[:-1], self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_pe = rope.apply(q_pe, cos, sin, has_heads=True)
+        ckv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = torch.cat([self.kv_a_layernorm(ckv), rope.apply(k_pe, cos, sin, has_heads=False)], dim=-1)
+        return q_nope, q_pe, kv
+
+    def _w_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [H, dn, r], W_UV [H, dv, r]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+
+    # ---- attention over latents ----------------------------------------------------------
+    def attend(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
+               absorbed: bool) -> torch.Tensor:
+        """q_nope [B, Q, H, dn], q_pe [B, Q, H, dr], kv [B, L, r+dr], mask [B, Q, L] bool (True = visible)
+        -> [B, Q, H, dv]."""
+        ckv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        w_uk, w_uv = self._w_kv_b()
+        bias = torch.zeros(mask.shape, dtype=q_nope.dtype, device=q_nope.device).masked_fill_(~mask, float("-inf"))
+        bias = bias.unsqueeze(1)                                              # [B, 1, Q, L]
+        if absorbed:
+            q_lat = torch.einsum("bqhd,hdr->bhqr", q_nope, w_uk)              # [B, H, Q, r]
+            scores = torch.matmul(q_lat, ckv.unsqueeze(1).transpose(-1, -2))
+            scores = scores + torch.matmul(q_pe.transpose(1, 2), k_pe.unsqueeze(1).transpose(-1, -2))
+            probs = torch.softmax(scores * self.softmax_scale + bias, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+            o_lat = torch.matmul(probs, ckv.unsqueeze(1))                    # [B, H, Q, r]
+            return torch.einsum("bhqr,hvr->bqhv", o_lat, w_uv)
+        kvb = self.kv_b_proj(ckv).view(*ckv.shape[:2], self.num_heads, -1)  # [B, L, H, dn+dv]
+        k_nope, v = kvb.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        scores = torch.matmul(q_nope.transpose(1, 2), k_nope.permute(0, 2, 3, 1))   # [B, H, Q, L]
+        scores = scores + torch.matmul(q_pe.transpose(1, 2), k_pe.unsqueeze(1).transpose(-1, -2))
+        probs = torch.softmax(scores * self.softmax_scale + bias, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        return torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)        # [B, Q, H, dv]
+
+    # ---- entry points --------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Serving path. x [T, hidden]; kv_cache [num_blocks, tokens_per_block, r+dr] (written in place)."""
+        q_nope, q_pe, kv = self._project(x, rope, cos, sin)
+        flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
+        flat_cache.index_copy_(0, meta.slot_mapping, kv.to(flat_cache.dtype))
+        keys = flat_cache[meta.kv_slots].to(x.dtype)                          # [B, L, r+dr]
+        pad_q = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])[meta.q_index]  # noqa: E731
+        q_nope_b, q_pe_b = pad_q(q_nope), pad_q(q_pe)                          # [B, Q, H, *]
+        key_pos = torch.arange(keys.shape[1], device=x.device)
+        mask = key_pos[None, None, :] <= meta.q_positions[:, :, None]         # [B, Q, L]
+        out = self.attend(q_nope_b, q_pe_b, keys, mask, meta.use_absorbed)    # [B, Q, H, dv]
+        out = out[meta.q_valid]                                               # [T, H, dv]
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def forward_dense(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                      absorbed: bool = False) -> torch.Tensor:
+        """Training / reference path without a cache: x [B, S, hidden], causal within each row."""
+        q_nope, q_pe, kv = self._project(x, rope, cos, sin)
+        S = x.shape[1]
+        mask = torch.ones(S, S, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], S, S)
+        if absorbed:
+            out = self.attend(q_nope, q_pe, kv, mask, True)
+        else:
+            out = self._dense_sdpa(q_nope, q_pe, kv)
+        return self.o_proj(out.reshape(*x.shape[:2], -1))
+
+    def _dense_sdpa(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """Naive causal attention through SDPA (fast path for training)."""
+        ckv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kvb = self.kv_b_proj(ckv).view(*ckv.shape[:2], self.num_heads, -1)
+        k_nope, v = kvb.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)                # [B, H, S, dq]
+        k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.softmax_scale)
+        return out.transpose(1, 2)                                            # [B, S, H, dv]

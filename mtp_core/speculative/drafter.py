@@ -1,0 +1,142 @@
+"""MTP drafters: Eagle (one module reused K times) and Vanilla (K distinct modules).
+
+Both keep, in every MTP module's cache, one entry per valid position q built from
+(token x_{q+1}, main hidden h_q) — "tokens shifted by one" — so after each step every MTP cache equals a
+fresh recompute of the accepted prefix. Draft chains write K-1 more speculative slots past the valid
+length (the overshoot); the next step's truncate to the valid length rewinds them.
+
+Worked example (Eagle, K=3, valid length before the step V_prev=10): the target verified
+[t, d1, d2, d3] at positions 10..13 and accepted n=2 tokens, so V=12 and the emitted tokens are
+x11=d1, x12=bonus.
+  forward 1: module at positions 10, 11 with tokens [x11, x12] and hidden [h10, h11] -> at 11: D1, g1
+  forward 2: position 12, token D1, hidden g1 -> D2, g2
+  forward 3: position 13, token D2, hidden g2 -> D3        (positions 12, 13 are the overshoot)
+Vanilla runs module k on the request's window (the last K valid positions, plus any newly valid ones
+before it) and appends the chain (D1, g1) .. (D_{k-1}, g_{k-1}) at positions V .. V+k-2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from mtp_core.engine.sequence import Sequence
+from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+
+
+@dataclass
+class DraftInput:
+    """One row after verification. Positions [start, start + len(next_tokens)) became valid this step."""
+    seq: Sequence
+    start: int
+    next_tokens: list[int]        # x_{q+1} for each newly valid position q
+    hidden: torch.Tensor          # [n, hidden] main hidden states at those positions
+    needs_drafts: bool            # False for non-final prefill chunks and finished requests
+
+
+class Drafter(Protocol):
+    num_draft_tokens: int
+
+    def propose(self, rows: list[DraftInput]) -> list[list[int]]:
+        """Writes every row's MTP caches for its new positions; returns K drafts per row
+        (an empty list for rows that need none)."""
+
+
+class _MTPRunner:
+    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int) -> None:
+        self.model, self.caches, self.tokens_per_block = model, caches, tokens_per_block
+
+    def run(self, module: int, positions: list[list[int]], tokens: list[list[int]], hidden: torch.Tensor,
+            tables: list[list[int]]) -> torch.Tensor:
+        """hidden [T, H] aligned with the flattened tokens -> module output [T, H]."""
+        meta = AttentionMetadata.build(positions, tables, self.tokens_per_block, device=hidden.device)
+        ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=hidden.device)
+        return self.model.mtp_forward(module, ids, hidden, meta, self.caches)
+
+    def draft(self, out_last: torch.Tensor) -> list[int]:
+        """[R, H] -> greedy draft token per row (drafts are always greedy)."""
+        return self.model.compute_logits(out_last).argmax(-1).tolist()
+
+
+class EagleDrafter:
+    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int,
+                 num_draft_tokens: int) -> None:
+        self.runner = _MTPRunner(model, caches, tokens_per_block)
+        self.num_draft_tokens = num_draft_tokens
+
+    def propose(self, rows: list[DraftInput]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in rows]
+        if not rows:
+            return drafts
+        positions = [list(range(r.start, r.start + len(r.next_tokens))) for r in rows]
+        out = self.runner.run(0, positions, [r.next_tokens for r in rows], torch.cat([r.hidden for r in rows]),
+                              [r.seq.block_table for r in rows])
+        ends = torch.tensor([len(p) for p in positions]).cumsum(0) - 1
+        active = [i for i, r in enumerate(rows) if r.needs_drafts]
+        if not active:
+            return drafts
+        g = out[ends[active]]                                             # [R, H]
+        d = self.runner.draft(g)
+        for j in range(1, self.num_draft_tokens + 1):
+            for i, tok in zip(active, d):
+                drafts[i].append(tok)
+            if j == self.num_draft_tokens:
+                break
+            pos = [[positions[i][-1] + j] for i in active]
+            g = self.runner.run(0, pos, [[t] for t in d], g, [rows[i].seq.block_table for i in active])
+            d = self.runner.draft(g)
+        return drafts
+
+
+class VanillaDrafter:
+    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int,
+                 num_draft_tokens: int) -> None:
+        if num_draft_tokens > model.num_mtp_modules:
+            raise ValueError(f"MTP Vanilla needs one module per draft token: max_draft_len={num_draft_tokens} but "
+                             f"the checkpoint has {model.num_mtp_modules} MTP module(s); lower "
+                             f"--spec_decode_max_draft_len or use --mtp_mode eagle")
+        self.runner = _MTPRunner(model, caches, tokens_per_block)
+        self.num_draft_tokens = num_draft_tokens
+
+    def _window_inputs(self, r: DraftInput) -> tuple[int, list[int], torch.Tensor]:
+        """Positions [s, V) covering the request's window and the newly valid positions."""
+        K = self.num_draft_tokens
+        V = r.start + len(r.next_tokens)
+        s = max(min(V - K, r.start), 0)
+        old = r.start - s                                   # positions taken from the stored window
+        ids = r.seq.all_ids
+        tokens = ids[s + 1: r.start + 1] + r.next_tokens if old else list(r.next_tokens)
+        hidden = r.hidden if not old else torch.cat([r.seq.window_hidden[-old:], r.hidden])
+        return s, tokens, hidden
+
+    def propose(self, rows: list[DraftInput]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in rows]
+        if not rows:
+            return drafts
+        base = [self._window_inputs(r) for r in rows]
+        chain_tok: list[list[int]] = [[] for _ in rows]
+        chain_hid: list[list[torch.Tensor]] = [[] for _ in rows]
+        for k in range(self.num_draft_tokens):
+            positions, tokens, hiddens = [], [], []
+            for i, (s, toks, hid) in enumerate(base):
+                n = len(toks) + len(chain_tok[i])
+                positions.append(list(range(s, s + n)))
+                tokens.append(toks + chain_tok[i])
+                hiddens.append(torch.cat([hid, *[h[None] for h in chain_hid[i]]]) if chain_hid[i] else hid)
+            out = self.runner.run(k, positions, tokens, torch.cat(hiddens), [r.seq.block_table for r in rows])
+            ends = torch.tensor([len(p) for p in positions]).cumsum(0) - 1
+            active = [i for i, r in enumerate(rows) if r.needs_drafts]
+            if not active:
+                continue
+            g = out[ends[active]]
+            for i, tok, h in zip(active, self.runner.draft(g), g):
+                drafts[i].append(tok)
+                chain_tok[i].append(tok)
+                chain_hid[i].append(h)
+        for r, (s, toks, hid) in zip(rows, base):
+            V = r.start + len(r.next_tokens)
+            K = self.num_draft_tokens
+            r.seq.window_tokens = r.seq.all_ids[max(V - K, 0):V]
+            r.seq.window_hidden = hid[-K:].clone()
+        return drafts

@@ -1,0 +1,59 @@
+"""Acceptance statistics (TensorRT-LLM calls AL the "acceptance rate"; here AL = tokens / steps)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_steps: int = 0                 # decoding steps, the prefill step that emits the first token included
+    num_output_tokens: int = 0
+    num_draft_proposed: int = 0
+    num_draft_accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)   # [K]: steps whose draft i was accepted
+    proposed_per_position: list[int] = field(default_factory=list)
+
+    def record_step(self, num_emitted: int, num_proposed: int, num_accepted: int) -> None:
+        self.num_steps += 1
+        self.num_output_tokens += num_emitted
+        self.num_draft_proposed += num_proposed
+        self.num_draft_accepted += num_accepted
+        if len(self.proposed_per_position) < num_proposed:
+            grow = num_proposed - len(self.proposed_per_position)
+            self.proposed_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(num_proposed):
+            self.proposed_per_position[i] += 1
+            self.accepted_per_position[i] += int(i < num_accepted)
+
+    def merge(self, other: "SpecStats") -> None:
+        self.num_steps += other.num_steps
+        self.num_output_tokens += other.num_output_tokens
+        self.num_draft_proposed += other.num_draft_proposed
+        self.num_draft_accepted += other.num_draft_accepted
+        n = max(len(self.proposed_per_position), len(other.proposed_per_position))
+        pad = lambda v: v + [0] * (n - len(v))  # noqa: E731
+        self.proposed_per_position = [a + b for a, b in zip(pad(self.proposed_per_position), pad(other.proposed_per_position))]
+        self.accepted_per_position = [a + b for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))]
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.num_output_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_draft_accepted / self.num_draft_proposed if self.num_draft_proposed else 0.0
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        return [a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
+
+    def summary_lines(self) -> list[str]:
+        per_pos = ", ".join(f"{r:.3f}" for r in self.acceptance_per_position)
+        return [
+            f"decoding steps: {self.num_steps}, output tokens: {self.num_output_tokens}",
+            f"drafts proposed: {self.num_draft_proposed}, accepted: {self.num_draft_accepted}, "
+            f"draft acceptance rate: {self.draft_acceptance_rate:.3f}",
+            f"acceptance length (AL): {self.acceptance_length:.3f}",
+            f"acceptance per draft position: [{per_pos}]",
+        ]

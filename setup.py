@@ -1,0 +1,39 @@
+"""Install with: pip install torch==2.13.0 && pip install --no-build-isolation -e ".[test]"
+
+Native extensions (csrc/) are built by setup_ext.py when present: the CPU op always, the CUDA ops only
+with a CUDA torch and CUDA_HOME; MTP_CORE_BUILD_EXT=0 skips native code (the torch reference is used).
+"""
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+ext_modules, cmdclass = [], {}
+if os.environ.get("MTP_CORE_BUILD_EXT", "1") != "0":
+    try:
+        from setup_ext import get_extensions
+        ext_modules, cmdclass = get_extensions()
+    except ImportError as e:  # no torch at build time (build isolation) or no setup_ext: pure Python install
+        print(f"mtp-core: building without native extensions ({e})", file=sys.stderr)
+
+setup(
+    name="mtp-core",
+    version="0.1.0",
+    description="DeepSeek-V3/R1 inference with MTP speculative decoding (TensorRT-LLM quickstart mirror)",
+    packages=find_packages(include=["cli", "cli.*", "mtp_core", "mtp_core.*"]),
+    package_data={"mtp_core": ["assets/*/*", "assets/*/*/*"]},
+    include_package_data=True,
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4", "typer>=0.12", "rich", "pyyaml", "safetensors", "tokenizers", "jinja2"],
+    extras_require={
+        "test": ["pytest", "hypothesis", "transformers>=4.57"],
+        "peers": ["transformers>=4.57"],
+        "plot": ["matplotlib"],
+        "gpu": ["deep_gemm"],
+    },
+    entry_points={"console_scripts": ["mtp=cli.app:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -1,0 +1,241 @@
+"""Verification tables (strict, relaxed, sampled) and SpecStats arithmetic, all computed by hand.
+
+Letters name token ids: A=0 B=1 C=2 D=3 E=4 F=5 G=6 H=7 in a vocabulary of 10. `one_hot(targets)`
+gives logits whose argmax at position i is targets[i]; `from_probs(rows)` gives logits whose softmax is
+exactly the listed probabilities (logits = log p), so relaxed thresholds can be checked on paper.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mtp_core.sampling import SamplingParams
+from mtp_core.speculative.stats import SpecStats
+from mtp_core.speculative.verifier import (
+    relaxed_candidates, verify, verify_relaxed_row, verify_sampled_row, verify_strict,
+)
+
+torch.set_num_threads(1)
+
+A, B, C, D, E, F, G, H = range(8)
+V = 10
+
+
+def one_hot(targets: list[int]) -> torch.Tensor:
+    """[K+1] targets -> logits [K+1, V]: 5.0 at the target, -5.0 elsewhere."""
+    x = torch.full((len(targets), V), -5.0)
+    x[torch.arange(len(targets)), torch.tensor(targets)] = 5.0
+    return x
+
+
+def from_probs(rows: list[dict[int, float]]) -> torch.Tensor:
+    """Each row lists some token probabilities; the rest of the mass is spread evenly over the others."""
+    out = torch.empty(len(rows), V, dtype=torch.float64)
+    for i, row in enumerate(rows):
+        rest = (1.0 - sum(row.values())) / (V - len(row))
+        for t in range(V):
+            out[i, t] = math.log(row.get(t, rest))
+    return out.float()
+
+
+def drafts_of(*tokens: int) -> torch.Tensor:
+    return torch.tensor([list(tokens)], dtype=torch.long)      # [1, K]
+
+
+# ---- strict ----------------------------------------------------------------------------------
+
+STRICT_TABLE = [
+    # drafts d_1..d_K        targets t_0..t_K            emitted             case
+    ([A, B, C, D, E], [A, B, C, H, F, G], [A, B, C, H]),         # the write-up's example
+    ([A, B, C, D, E], [A, B, C, D, E, F], [A, B, C, D, E, F]),   # all accepted: K+1 tokens
+    ([A, B, C, D, E], [H, B, C, D, E, F], [H]),                  # first rejected: the bonus only
+    ([B], [B, G], [B, G]),                                       # K=1 accepted
+    ([B], [C, G], [C]),                                          # K=1 rejected
+    ([A, A, A], [A, A, B, A], [A, A, B]),                        # repeated tokens
+]
+
+
+@pytest.mark.parametrize("drafts,targets,emitted", STRICT_TABLE)
+def test_strict_table(drafts, targets, emitted):
+    res = verify_strict(one_hot(targets)[None], drafts_of(*drafts))
+    assert res.tokens == [emitted]
+    assert res.num_accepted_drafts == [len(emitted) - 1]
+
+
+def test_strict_batch_rows_are_independent():
+    logits = torch.stack([one_hot([A, B, C, H, F, G]), one_hot([A, B, C, D, E, F]), one_hot([H, B, C, D, E, F])])
+    drafts = torch.tensor([[A, B, C, D, E]] * 3)
+    res = verify_strict(logits, drafts)
+    assert res.tokens == [[A, B, C, H], [A, B, C, D, E, F], [H]]
+    assert res.num_accepted_drafts == [3, 5, 0]
+
+
+def test_strict_without_drafts_emits_the_first_target():
+    logits = torch.stack([one_hot([G]), one_hot([C])])            # prefill: K = 0
+    res = verify_strict(logits, torch.zeros(2, 0, dtype=torch.long))
+    assert res.tokens == [[G], [C]]
+
+
+# ---- relaxed ---------------------------------------------------------------------------------
+
+# The write-up's relaxed example shape (nextn=4, top-3), with delta = 0.2 and drafts B C D E:
+#   pos 0: A .40  B .35  C .15   threshold .40-.2=.20 -> counted {A, B}        d1=B accepted (not top-1)
+#   pos 1: C .60                 threshold .40        -> counted {C}           d2=C accepted (top-1)
+#   pos 2: F .30  G .28  D .25   threshold .10        -> counted {F, G, D}     d3=D accepted (3rd of top-3)
+#   pos 3: H .50  E .20  A .10   threshold .30        -> counted {H}           d4=E rejected (below top1-delta)
+#   emitted: B C D (the drafts themselves) then top-1 of pos 3 = H.   Strict on the same logits: [A].
+RELAXED_PROBS = [
+    {A: 0.40, B: 0.35, C: 0.15},
+    {C: 0.60, A: 0.10, B: 0.09},
+    {F: 0.30, G: 0.28, D: 0.25},
+    {H: 0.50, E: 0.20, A: 0.10},
+    {A: 0.70},
+]
+
+
+def test_relaxed_candidates_table():
+    ids, counted = relaxed_candidates(from_probs(RELAXED_PROBS), topk=3, delta=0.2)
+    assert ids[:, 0].tolist() == [A, C, F, H, A]
+    got = [sorted(int(t) for t, c in zip(ids[i], counted[i]) if c) for i in range(4)]
+    assert got == [[A, B], [C], [D, F, G], [H]]
+
+
+def test_relaxed_writeup_example():
+    logits, drafts = from_probs(RELAXED_PROBS), torch.tensor([B, C, D, E])
+    assert verify_relaxed_row(logits, drafts, topk=3, delta=0.2) == [B, C, D, H]
+    assert verify_strict(logits[None], drafts[None]).tokens == [[A]]
+    # through the dispatcher, relaxed applies only to the row that asks for it
+    res = verify(torch.stack([logits, logits]), torch.stack([drafts, drafts]),
+                 [SamplingParams(), SamplingParams()], [(3, 0.2), None], [None, None])
+    assert res.tokens == [[B, C, D, H], [A]]
+
+
+def test_relaxed_topk_caps_the_candidates():
+    # B is 4th by probability but within delta of the top-1: counted with top-4, not with top-3
+    logits = from_probs([{A: 0.22, C: 0.21, D: 0.20, B: 0.19}, {G: 0.9}])
+    assert verify_relaxed_row(logits, torch.tensor([B]), topk=3, delta=0.5) == [A]
+    assert verify_relaxed_row(logits, torch.tensor([B]), topk=4, delta=0.5) == [B, G]
+
+
+def test_relaxed_stops_at_first_miss():
+    # d1 = E is outside every candidate set; d2 = C would be top-1 at pos 1 but must not be looked at
+    logits = from_probs([{A: 0.40, B: 0.35, C: 0.15}, {C: 0.90}, {D: 0.90}])
+    assert verify_relaxed_row(logits, torch.tensor([E, C]), topk=3, delta=0.3) == [A]
+    assert verify_relaxed_row(logits, torch.tensor([B, C]), topk=3, delta=0.3) == [B, C, D]
+
+
+def test_relaxed_with_top1_or_zero_delta_equals_strict():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        K = 1 + trial % 5
+        logits = torch.randn(K + 1, V, generator=g) * 2                     # [K+1, V]
+        target = logits.argmax(-1)
+        drafts = target[:K].clone()
+        cut = int(torch.randint(0, K + 1, (1,), generator=g))              # first wrong draft (K = none)
+        if cut < K:
+            drafts[cut] = (drafts[cut] + 1 + int(torch.randint(0, V - 1, (1,), generator=g))) % V
+        strict = verify_strict(logits[None], drafts[None]).tokens[0]
+        assert strict == target[: min(cut, K) + 1].tolist()
+        assert verify_relaxed_row(logits, drafts, topk=1, delta=0.9) == strict
+        assert verify_relaxed_row(logits, drafts, topk=V, delta=0.0) == strict
+        for relaxed in ((1, 0.9), (V, 0.0)):
+            assert verify(logits[None], drafts[None], [SamplingParams()], [relaxed], [None]).tokens[0] == strict
+
+
+# ---- sampled (temperature > 0) ---------------------------------------------------------------
+
+CHI2_CRIT_P001 = {2: 13.82, 3: 16.27, 6: 22.46}     # chi-square critical values at p = 0.001
+
+
+def chi_square(counts: dict, expected: dict, n: int) -> float:
+    assert set(counts) <= set(expected), f"impossible outcomes {set(counts) - set(expected)}"
+    return sum((counts.get(k, 0) - n * p) ** 2 / (n * p) for k, p in expected.items())
+
+
+def test_sampled_verification_preserves_the_target_distribution():
+    """Draft d1 = B (one-hot proposal). Joint law of the emitted tokens must be: first token x ~ p0; if
+    x == B the step continues and the second token y ~ p1; otherwise the step ends after x."""
+    p0, p1 = [0.5, 0.25, 0.125, 0.125], [0.1, 0.2, 0.3, 0.4]
+    logits = torch.log(torch.tensor([p0, p1]))                                  # [2, 4]
+    expected = {(0,): 0.5, (2,): 0.125, (3,): 0.125}
+    expected.update({(B, y): p0[B] * p1[y] for y in range(4)})
+    gen, params, n = torch.Generator().manual_seed(1234), SamplingParams(temperature=1.0), 2500
+    counts: dict[tuple, int] = {}
+    for _ in range(n):
+        out = tuple(verify_sampled_row(logits, torch.tensor([B]), params, gen))
+        counts[out] = counts.get(out, 0) + 1
+    assert chi_square(counts, expected, n) < CHI2_CRIT_P001[6]
+    # total variation as a plain-language bound too
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in expected.items())
+    assert tv < 0.05
+
+
+@pytest.mark.parametrize("draft", [A, D])
+def test_sampled_first_token_ignores_the_draft_and_honours_temperature_top_k(draft):
+    """T = 0.5 squares the probabilities; top_k = 3 removes D. p0 = [.5 .3 .15 .05] ->
+    [.25 .09 .0225] / .3625. Whatever the draft (likely A or impossible D), the first token follows it."""
+    p0 = [0.5, 0.3, 0.15, 0.05]
+    logits = torch.log(torch.tensor([p0, [0.25] * 4]))
+    z = 0.25 + 0.09 + 0.0225
+    expected = {A: 0.25 / z, B: 0.09 / z, C: 0.0225 / z}
+    params = SamplingParams(temperature=0.5, top_k=3)
+    gen, n = torch.Generator().manual_seed(7 + draft), 1500
+    counts: dict[int, int] = {}
+    for _ in range(n):
+        out = verify_sampled_row(logits, torch.tensor([draft]), params, gen)
+        assert len(out) == (2 if out[0] == draft else 1)
+        counts[out[0]] = counts.get(out[0], 0) + 1
+    assert chi_square(counts, expected, n) < CHI2_CRIT_P001[2]
+
+
+def test_sampled_rows_are_reproducible_with_a_seeded_generator():
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(3))
+    drafts = logits.argmax(-1)[:3]
+    params = SamplingParams(temperature=1.3)
+    a = [verify_sampled_row(logits, drafts, params, torch.Generator().manual_seed(s)) for s in range(20)]
+    b = [verify_sampled_row(logits, drafts, params, torch.Generator().manual_seed(s)) for s in range(20)]
+    assert a == b
+    assert len({tuple(x) for x in a}) > 1
+
+
+def test_dispatch_samples_rows_with_temperature_and_ignores_relaxed_for_them():
+    # row 0 greedy + relaxed, row 1 sampled with T so small that it is effectively greedy
+    logits, drafts = from_probs(RELAXED_PROBS), torch.tensor([B, C, D, E])
+    res = verify(torch.stack([logits, logits]), torch.stack([drafts, drafts]),
+                 [SamplingParams(), SamplingParams(temperature=1e-4)], [(3, 0.2), (3, 0.2)],
+                 [None, torch.Generator().manual_seed(0)])
+    assert res.tokens == [[B, C, D, H], [A]]
+
+
+# ---- statistics ------------------------------------------------------------------------------
+
+def test_spec_stats_arithmetic():
+    s = SpecStats()
+    # (emitted, proposed, accepted): prefill, all 3 accepted, 1 accepted, none, 2 accepted but cut to 3
+    for rec in [(1, 0, 0), (4, 3, 3), (2, 3, 1), (1, 3, 0), (3, 3, 2)]:
+        s.record_step(*rec)
+    assert (s.num_steps, s.num_output_tokens, s.num_draft_proposed, s.num_draft_accepted) == (5, 11, 12, 6)
+    assert s.acceptance_length == pytest.approx(11 / 5)
+    assert s.draft_acceptance_rate == pytest.approx(0.5)
+    assert s.proposed_per_position == [4, 4, 4]
+    assert s.accepted_per_position == [3, 2, 1]
+    assert s.acceptance_per_position == pytest.approx([0.75, 0.5, 0.25])
+    lines = "\n".join(s.summary_lines())
+    assert "acceptance length (AL): 2.200" in lines
+    assert "draft acceptance rate: 0.500" in lines
+    assert "[0.750, 0.500, 0.250]" in lines
+
+    t = SpecStats()
+    for rec in [(2, 1, 1), (1, 1, 0)]:
+        t.record_step(*rec)
+    s.merge(t)
+    assert (s.num_steps, s.num_output_tokens, s.num_draft_proposed, s.num_draft_accepted) == (7, 14, 14, 7)
+    assert s.proposed_per_position == [6, 4, 4]
+    assert s.accepted_per_position == [4, 2, 1]
+
+
+def test_spec_stats_empty():
+    s = SpecStats()
+    assert s.acceptance_length == 0.0 and s.draft_acceptance_rate == 0.0 and s.acceptance_per_position == []
