@@ -51,7 +51,7 @@ def build_llm_config(p: dict[str, Any], explicit: dict[str, Any]):
         cuda_graph_config=CudaGraphConfig() if p["use_cuda_graph"] else None,
         disable_overlap_scheduler=p["disable_overlap_scheduler"],
         enable_chunked_prefill=p["enable_chunked_prefill"], print_iter_log=p["print_iter_log"],
-        tensor_parallel_size=p["tp_size"], moe_expert_parallel_size=p["moe_ep_size"],
+        tensor_parallel_size=p["tp_size"], keep_quantized=p.get("keep_quantized", False), moe_expert_parallel_size=p["moe_ep_size"],
     )
     if p.get("extra_llm_api_options") is not None:
         from mtp_core.yaml_config import apply_yaml_options, load_yaml_options

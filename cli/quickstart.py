@@ -68,6 +68,8 @@ def quickstart_command(
     disable_overlap_scheduler: bool = typer.Option(False, "--disable_overlap_scheduler", help="Turn the overlap scheduler off."),
     enable_chunked_prefill: bool = typer.Option(False, "--enable_chunked_prefill", help="Split long prompts over steps."),
     print_iter_log: bool = typer.Option(False, "--print_iter_log", help="One stderr line per engine step."),
+    keep_quantized: bool = typer.Option(False, "--keep_quantized",
+                                        help="Keep FP8/NVFP4 weights packed and dequantize per layer (less memory)."),
     apply_chat_template: bool = typer.Option(False, "--apply_chat_template", help="Wrap prompts in the chat template."),
     extra_llm_api_options: Optional[Path] = typer.Option(None, "--extra_llm_api_options", "--config",
                                                          help="TensorRT-LLM LLM-API YAML file."),

@@ -273,6 +273,7 @@ class LLMConfig:
     tensor_parallel_size: int = 1
     moe_expert_parallel_size: int = 1
     device: str = "cpu"
+    keep_quantized: bool = False                 # FP8/NVFP4 weights stay packed, dequantized per layer
     num_threads: Optional[int] = None
 
     def validate(self) -> None:

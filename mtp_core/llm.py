@@ -39,7 +39,8 @@ class LLM:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model, self.checkpoint = load_model(config.model_dir, config.dtype, config.device, load_progress)
+        self.model, self.checkpoint = load_model(config.model_dir, config.dtype, config.device, load_progress,
+                                                   keep_quantized=config.keep_quantized)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         eos = list(self.tokenizer.eos_token_ids)
         cfg_eos = self.checkpoint.config.eos_token_id

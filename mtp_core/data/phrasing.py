@@ -63,15 +63,15 @@ def maybe(rng: random.Random, p: float) -> bool:
     return rng.random() < p
 
 
-def with_connector(rng: random.Random, line: str, p: float = 0.5,
-                   options: Sequence[str] = ("Next, ", "Then ", "Now ", "After that, ")) -> str:
+def with_connector(rng: random.Random, line: str, p: float = 0.75,
+                   options: Sequence[str] = ("Next, ", "Then ", "Now ")) -> str:
     """Sometimes start a step with a connective word: 'Then ones: ...'."""
     if not maybe(rng, p):
         return line
     return pick(rng, options) + line[0].lower() + line[1:]
 
 
-def style_for_line(rng: random.Random, main: int, num_styles: int, p_switch: float = 0.4) -> int:
+def style_for_line(rng: random.Random, main: int, num_styles: int, p_switch: float = 0.5) -> int:
     """The example's main style, or (with probability `p_switch`) another one for this line only."""
     if num_styles > 1 and maybe(rng, p_switch):
         return (main + 1 + rng.randrange(num_styles - 1)) % num_styles

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from mtp_core.loader.checkpoint import Checkpoint, open_checkpoint
+from mtp_core.loader.quant import QuantFormat, detect_quant_format, ignorable_tensor
 from mtp_core.model import DeepseekV3ForCausalLM
 
 log = logging.getLogger("mtp.loader")
@@ -43,48 +44,82 @@ def _is_ignorable(name: str, num_main_layers: int) -> bool:
     return any(p.match(name) for p in _IGNORABLE[1:])
 
 
+def _linear_weight_names(model: torch.nn.Module) -> set[str]:
+    return {f"{name}.weight" for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
+
+
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
-               progress: Optional[Callable[[int, int], None]] = None) -> tuple[DeepseekV3ForCausalLM, Checkpoint]:
+               progress: Optional[Callable[[int, int], None]] = None,
+               keep_quantized: bool = False) -> tuple[DeepseekV3ForCausalLM, Checkpoint]:
+    """Build the model on the meta device and fill it from the checkpoint's safetensors.
+
+    Quantized checkpoints (DeepSeek FP8 block, ModelOpt NVFP4) are dequantized exactly at load, or, with
+    keep_quantized, kept packed in modules that dequantize on the fly (less resident memory)."""
     ckpt = open_checkpoint(model_dir)
+    quant = detect_quant_format(ckpt.model_dir, ckpt.config.raw)
     torch_dtype = resolve_dtype(dtype, device)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(ckpt.config)
     expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     available = set(ckpt.shards)
-    missing = sorted(set(expected) - available)
+    linears = _linear_weight_names(model)
+    parts = {n: (quant.tensor_names(n, available) if quant is not None and n in linears else [n]) for n in expected}
+    needed = {t for names in parts.values() for t in names}
+    missing = sorted(t for t in needed if t not in available)
     if missing:
         name = missing[0]
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ValueError(f"tensor {name}{more} with shape {list(expected[name].shape)} is missing from the "
-                         f"checkpoint in {ckpt.model_dir}")
-    unexpected = sorted(n for n in available - set(expected) if not _is_ignorable(n, ckpt.config.num_hidden_layers))
+        shape = f" with shape {list(expected[name].shape)}" if name in expected else ""
+        raise ValueError(f"tensor {name}{more}{shape} is missing from the checkpoint in {ckpt.model_dir}")
+    unexpected = sorted(n for n in available - needed
+                        if not _is_ignorable(n, ckpt.config.num_hidden_layers) and not ignorable_tensor(n))
     if unexpected:
         name = unexpected[0]
         raise ValueError(f"unexpected tensor {name} in {ckpt.shards[name].name}: the config does not describe it "
                          f"(check num_hidden_layers / num_nextn_predict_layers / n_routed_experts / q_lora_rank)")
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(ckpt.shards[name], []).append(name)
+    tensors = _read_tensors(ckpt, needed, {n: list(expected[n].shape) for n in expected if parts[n] == [n]},
+                            progress)
     state: dict[str, torch.Tensor] = {}
-    done, total = 0, len(expected)
-    for path, names in by_file.items():
-        header = ckpt.shard_tensors[path]
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in names:
-                want = list(expected[name].shape)
-                got = list(header[name]["shape"])
-                if got != want:
-                    raise ValueError(f"tensor {name} in {path.name} has shape {got}, expected {want}")
-                t = f.get_tensor(name)
-                keep_fp32 = name.endswith("e_score_correction_bias") or name.endswith("gate.weight")
-                t = t.to(device=device, dtype=torch.float32 if keep_fp32 else torch_dtype)
-                state[name] = t
-                done += 1
-                if progress:
-                    progress(done, total)
-    model.load_state_dict(state, strict=True, assign=True)
+    quantized_modules: dict[str, torch.nn.Module] = {}
+    for name, names in parts.items():
+        shape = tuple(expected[name].shape)
+        keep_fp32 = name.endswith("e_score_correction_bias") or name.endswith("gate.weight")
+        target = torch.float32 if keep_fp32 else torch_dtype
+        if quant is not None and name in linears:
+            sub = {t: tensors[t] for t in names}   # dequantize() also refuses an FP8/FP4 weight without scales
+            if keep_quantized and quant.is_quantized(name, available):
+                quantized_modules[name[: -len(".weight")]] = quant.make_linear(name, sub, shape, device=device)
+                continue
+            state[name] = quant.dequantize(name, sub, shape).to(device=device, dtype=target)
+        else:
+            state[name] = tensors[name].to(device=device, dtype=target)
+    for mod_name, mod in quantized_modules.items():
+        parent_name, _, attr = mod_name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, mod)
+    model.load_state_dict(state, strict=not quantized_modules, assign=True)
     model.rope.inv_freq = model.rope.inv_freq.to(device)
     model.eval()
-    log.info("loaded %d tensors from %d file(s) in %s as %s", total, len(by_file), ckpt.model_dir,
-             str(torch_dtype).replace("torch.", ""))
+    log.info("loaded %d tensors from %d file(s) in %s as %s%s", len(tensors), len(ckpt.shard_tensors),
+             ckpt.model_dir, str(torch_dtype).replace("torch.", ""),
+             f" ({quant.name}, {'kept quantized' if keep_quantized else 'dequantized'})" if quant else "")
     return model, ckpt
+
+
+def _read_tensors(ckpt: Checkpoint, names: set[str], shapes: dict[str, list[int]],
+                  progress: Optional[Callable[[int, int], None]]) -> dict[str, torch.Tensor]:
+    """Memory-mapped reads, file by file; plain tensors are shape-checked against the model."""
+    by_file: dict[Path, list[str]] = {}
+    for n in sorted(names):
+        by_file.setdefault(ckpt.shards[n], []).append(n)
+    out: dict[str, torch.Tensor] = {}
+    for path, file_names in by_file.items():
+        header = ckpt.shard_tensors[path]
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for n in file_names:
+                got = list(header[n]["shape"])
+                if n in shapes and got != shapes[n]:
+                    raise ValueError(f"tensor {n} in {path.name} has shape {got}, expected {shapes[n]}")
+                out[n] = f.get_tensor(n)
+                if progress:
+                    progress(len(out), len(names))
+    return out

@@ -1,0 +1,153 @@
+"""The one place that chooses between a native kernel and its torch reference.
+
+`NATIVE` is resolved once at import (env MTP_CORE_KERNELS=auto|reference) and logged. Each op then
+checks its input contract (ValueError on misuse) and runs the native kernel when one exists for
+these tensors (device, dtypes, fixed GPU shapes), the torch reference otherwise.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from mtp_core.kernels.mla_decode_ref import mla_decode_ref
+from mtp_core.kernels.native import NativeOps, load_native_ops, note_fallback
+from mtp_core.kernels.nvfp4_gemm_ref import (
+    BLOCK_SIZE, nvfp4_gemm_ref, nvfp4_w4a4_gemm_ref, quantize_nvfp4_ref, swizzle_block_scales)
+
+log = logging.getLogger("mtp_core.kernels")
+NATIVE: NativeOps = load_native_ops(os.environ.get("MTP_CORE_KERNELS", "auto"))
+log.info("mtp_core.kernels: %s", NATIVE.summary)
+
+_CPU_Q_DTYPES = (torch.float32, torch.bfloat16)
+_CPU_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
+_GPU_MLA_SHAPE = (512, 64, 64)          # latent dim R, rope dim P, page size
+
+
+def _check_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               cache_seqlens: torch.Tensor, kv_scale: Optional[torch.Tensor]) -> None:
+    if q_lat.dim() != 4 or q_pe.dim() != 4 or q_lat.shape[:3] != q_pe.shape[:3]:
+        raise ValueError(f"mla_decode: q_lat {tuple(q_lat.shape)} and q_pe {tuple(q_pe.shape)} must be "
+                         "[B, Q, H, R] and [B, Q, H, P]")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != q_lat.shape[3] + q_pe.shape[3]:
+        raise ValueError(f"mla_decode: kv_cache {tuple(kv_cache.shape)} must be [num_blocks, page_size, "
+                         f"{q_lat.shape[3] + q_pe.shape[3]}] (R + P)")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != q_lat.shape[0]:
+        raise ValueError(f"mla_decode: block_table must be int32 [B={q_lat.shape[0]}, max_blocks], "
+                         f"got {block_table.dtype} {tuple(block_table.shape)}")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (q_lat.shape[0],):
+        raise ValueError(f"mla_decode: cache_seqlens must be int32 [B={q_lat.shape[0]}], "
+                         f"got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}")
+    if kv_scale is not None and kv_scale.numel() != 1:
+        raise ValueError("mla_decode: kv_scale must be a per-tensor scale with one element")
+    devices = {t.device for t in (q_lat, q_pe, kv_cache, block_table, cache_seqlens)}
+    if len(devices) != 1:
+        raise ValueError(f"mla_decode: all tensors must be on one device, got {sorted(map(str, devices))}")
+
+
+def _mla_native_reason(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> Optional[str]:
+    """None when the native kernel takes these inputs, else why not."""
+    if q_lat.device.type == "cpu":
+        if not NATIVE.cpu:
+            return "no native CPU ops"
+        if q_lat.dtype not in _CPU_Q_DTYPES or q_pe.dtype != q_lat.dtype or kv_cache.dtype not in _CPU_CACHE_DTYPES:
+            return f"CPU kernel takes fp32/bf16 queries, got {q_lat.dtype}/{q_pe.dtype} with a {kv_cache.dtype} cache"
+        return None
+    if q_lat.device.type != "cuda" or not NATIVE.cuda_ok(q_lat.device):
+        return f"no native kernel for {q_lat.device}"
+    if q_lat.dtype != torch.bfloat16 or q_pe.dtype != torch.bfloat16 or kv_cache.dtype != torch.float8_e4m3fn:
+        return f"GPU kernel takes bf16 queries and a float8_e4m3fn cache, got {q_lat.dtype} / {kv_cache.dtype}"
+    if (q_lat.shape[3], q_pe.shape[3], kv_cache.shape[1]) != _GPU_MLA_SHAPE or not kv_cache.is_contiguous():
+        return "GPU kernel takes R=512, P=64, page size 64 and a contiguous cache"
+    return None
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               cache_seqlens: torch.Tensor, softmax_scale: float,
+               kv_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode with Q = K+1 causal query tokens per sequence (contract: mla_decode_ref.py).
+
+    q_lat [B, Q, H, R], q_pe [B, Q, H, P], kv_cache [num_blocks, page_size, R + P],
+    block_table int32 [B, max_blocks], cache_seqlens int32 [B] (including the Q new tokens),
+    kv_scale float32 [1] for an fp8 cache -> (out [B, Q, H, R], lse float32 [B, H, Q]).
+    """
+    _check_mla(q_lat, q_pe, kv_cache, block_table, cache_seqlens, kv_scale)
+    reason = _mla_native_reason(q_lat, q_pe, kv_cache)
+    if reason is None:
+        return torch.ops.mtp_core.mla_decode(q_lat, q_pe, kv_cache, block_table, cache_seqlens,
+                                             float(softmax_scale), kv_scale)
+    note_fallback("mla_decode", reason)
+    return mla_decode_ref(q_lat, q_pe, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale)
+
+
+def _check_nvfp4_weight(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        weight_scale_2: torch.Tensor) -> None:
+    k = x.shape[-1]
+    if k % BLOCK_SIZE or weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] * 2 != k:
+        raise ValueError(f"nvfp4: weight must be uint8 [N, K/2] with K={k} a multiple of 16, "
+                         f"got {weight.dtype} {tuple(weight.shape)}")
+    if weight_scale.dtype != torch.float8_e4m3fn or weight_scale.shape != (weight.shape[0], k // BLOCK_SIZE):
+        raise ValueError(f"nvfp4: weight_scale must be float8_e4m3fn [{weight.shape[0]}, {k // BLOCK_SIZE}], "
+                         f"got {weight_scale.dtype} {tuple(weight_scale.shape)}")
+    if weight_scale_2.numel() != 1:
+        raise ValueError("nvfp4: weight_scale_2 must be a scalar tensor")
+
+
+def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """Weight-only NVFP4 GEMM: x [..., K] @ dequant(weight)^T -> [..., N] in x's dtype.
+
+    Native on sm_90a / sm_100a GPUs for bf16 x with K % 64 == 0 (in-kernel dequant to bf16);
+    the torch reference dequantizes and multiplies in fp32 everywhere else.
+    """
+    _check_nvfp4_weight(x, weight, weight_scale, weight_scale_2)
+    x2 = x.reshape(-1, x.shape[-1])                                                     # [M, K]
+    if x.is_cuda and NATIVE.cuda_ok(x.device) and x.dtype == torch.bfloat16 and x.shape[-1] % 64 == 0:
+        out = torch.ops.mtp_core.nvfp4_gemm(x2, weight, weight_scale, weight_scale_2.float().reshape(1))
+    else:
+        note_fallback("nvfp4_gemm", f"{x.device} {x.dtype} K={x.shape[-1]}")
+        out = nvfp4_gemm_ref(x2, weight, weight_scale, weight_scale_2)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (packed e2m1 uint8 [M, K/2], float8_e4m3fn block scales [M, K/16]).
+    global_scale is the per-tensor decode scale (ModelOpt input_scale)."""
+    if x.dim() != 2 or x.shape[1] % BLOCK_SIZE or global_scale.numel() != 1:
+        raise ValueError(f"nvfp4_quantize: x must be [M, K] with K a multiple of 16 and global_scale a scalar, "
+                         f"got {tuple(x.shape)}")
+    if x.is_cuda and NATIVE.cuda_ok(x.device) and x.dtype == torch.bfloat16:
+        return torch.ops.mtp_core.nvfp4_quantize(x, global_scale.float().reshape(1))
+    note_fallback("nvfp4_quantize", f"{x.device} {x.dtype}")
+    return quantize_nvfp4_ref(x, global_scale)
+
+
+def nvfp4_w4a4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    weight_scale_2: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+    """W4A4 NVFP4 GEMM: x quantized to NVFP4 with input_scale, times the NVFP4 weight -> [..., N].
+
+    Blackwell (compute capability 10.x): block-scaled FP4 tensor cores through cuBLASLt
+    (F.scaled_mm, BlockWise1x16 + TensorWise scales, 128x4-swizzled block scales). Elsewhere the
+    same quantization is emulated in fp32 (nvfp4_w4a4_gemm_ref).
+    """
+    _check_nvfp4_weight(x, weight, weight_scale, weight_scale_2)
+    x2 = x.reshape(-1, x.shape[-1])                                                     # [M, K]
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 10:
+        gs_x, gs_w = input_scale.float().reshape(1), weight_scale_2.float().reshape(1)
+        x_packed, x_scale = nvfp4_quantize(x2.to(torch.bfloat16), gs_x)
+        out = F.scaled_mm(
+            x_packed.view(torch.float4_e2m1fn_x2), weight.view(torch.float4_e2m1fn_x2).t(),
+            scale_a=[swizzle_block_scales(x_scale), gs_x],
+            scale_recipe_a=[F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise],
+            scale_b=[swizzle_block_scales(weight_scale), gs_w],
+            scale_recipe_b=[F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise],
+            swizzle_a=[F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE],
+            swizzle_b=[F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE],
+            output_dtype=torch.bfloat16).to(x.dtype)
+    else:
+        note_fallback("nvfp4_w4a4_gemm", f"{x.device}: no FP4 tensor cores")
+        out = nvfp4_w4a4_gemm_ref(x2, weight, weight_scale, weight_scale_2, input_scale)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
