@@ -109,6 +109,12 @@ class ModelConfig:
         for name in cls.__dataclass_fields__:
             if name != "raw" and name in d:
                 kwargs[name] = d[name]
+        rp = d.get("rope_parameters")
+        if isinstance(rp, dict):   # transformers 5.x writes rope_theta / YaRN here
+            if "rope_theta" in rp:
+                kwargs["rope_theta"] = rp["rope_theta"]
+            if rp.get("rope_type", rp.get("type", "default")) != "default" and not kwargs.get("rope_scaling"):
+                kwargs["rope_scaling"] = dict(rp)
         cfg = cls(**kwargs, raw=dict(d))
         cfg.validate(source)
         return cfg
@@ -126,10 +132,27 @@ class ModelConfig:
         def bad(msg: str) -> None:
             raise ValueError(f"{source}: {msg}")
 
+        def is_int(v: Any) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v: Any) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
         for k in _REQUIRED_INT:
             v = getattr(self, k)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if not is_int(v) or v <= 0:
                 bad(f"{k} must be a positive integer, got {v!r}")
+        for k in ("moe_intermediate_size", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+                  "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers", "max_position_embeddings"):
+            v = getattr(self, k)
+            if not is_int(v) or v < 0:
+                bad(f"{k} must be a non-negative integer, got {v!r}")
+        if self.n_routed_experts is not None and (not is_int(self.n_routed_experts) or self.n_routed_experts < 0):
+            bad(f"n_routed_experts must be null or a non-negative integer, got {self.n_routed_experts!r}")
+        for k in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
+            v = getattr(self, k)
+            if not is_num(v) or v <= 0:
+                bad(f"{k} must be a positive number, got {v!r}")
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
             bad(f"q_lora_rank must be null or a positive integer, got {self.q_lora_rank!r}")
         if self.num_nextn_predict_layers < 0:

@@ -73,7 +73,7 @@ def test_chunked_prefill_really_chunks(tiny1_model):
 def test_preemption_keeps_outputs(models, spec, chunked):
     ckpt, nextn, mode = SPECS[spec]
     model = models[ckpt]
-    eng = make_engine(model, nextn=nextn, mode=mode, max_tokens_kv=96, tokens_per_block=4, max_batch_size=8,
+    eng = make_engine(model, nextn=nextn, mode=mode, max_tokens_kv=64, tokens_per_block=4, max_batch_size=8,
                       enable_chunked_prefill=chunked, max_num_tokens=16 if chunked else 8192)
     seqs = run_to_end(eng, PROMPTS, PARAMS)
     assert eng.scheduler.num_preemptions > 0
@@ -113,10 +113,10 @@ def test_prompt_longer_than_max_num_tokens_without_chunking(tiny1_model):
 
 
 def test_request_outgrowing_the_whole_pool(tiny1_model, tiny1_dir, make_llm):
-    eng = make_engine(tiny1_model, max_tokens_kv=32, tokens_per_block=4, nextn=2, mode="eagle")
+    eng = make_engine(tiny1_model, max_tokens_kv=24, tokens_per_block=4, nextn=2, mode="eagle")
     with pytest.raises(ValueError, match="KV"):
-        eng.add_request(PROMPTS[5], greedy(4))                           # 23 + 1 + 2K > 32
-    llm = make_llm(tiny1_dir, max_tokens_kv=32, tokens_per_block=4)
+        eng.add_request(PROMPTS[5], greedy(4))                           # 23 + 1 + 2K > 24
+    llm = make_llm(tiny1_dir, max_tokens_kv=24, tokens_per_block=4)
     with pytest.raises(MemoryError):
         llm.generate([PROMPTS[4]], greedy(40))                           # fits at first, not at the end
     assert_pool_clean(llm.engine)

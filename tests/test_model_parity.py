@@ -170,8 +170,6 @@ def test_loads_transformers_save_pretrained_default_rope(tmp_path: Path) -> None
     _check_hf_saved(d, hf)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: ModelConfig.from_dict ignores transformers-5 `rope_parameters` "
-                   "(save_pretrained writes rope_theta / YaRN there, not rope_theta / rope_scaling)")
 @pytest.mark.parametrize("rope", [
     {"rope_type": "default", "rope_theta": 500.0},
     {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,

@@ -233,6 +233,28 @@ def _gather(eng: Engine, seq, n: int) -> list[torch.Tensor]:
     return [c.view(-1, c.shape[-1])[slots] for c in eng.caches]      # per layer [n, D]
 
 
+def _definition(model, ids: list[int], n: int, num_mtp: int) -> list[torch.Tensor]:
+    """Independent dense recompute of what every cache must hold at positions 0..n-1 (per layer [n, D]):
+    main layer i: the latent [c_kv | roped k_pe] of layer i's input; MTP module k: the latent of its
+    input built from (token ids[q+1], final-normed main hidden h_q)."""
+    rope = model.rope
+    with torch.inference_mode():
+        cos, sin = rope.cos_sin(torch.arange(n))
+        x = model.model.embed_tokens(torch.tensor([ids[:n]]))                       # [1, n, H]
+        out = []
+        for i in range(model.num_main_layers):
+            layer = model.model.layers[i]
+            out.append(layer.self_attn._project(layer.input_layernorm(x), rope, cos, sin)[2][0])
+            x = layer.block(x, rope, cos, sin, None, None)
+        h = model.model.norm(x)                                                     # [1, n, H]
+        e = model.model.embed_tokens(torch.tensor([ids[1:n + 1]]))
+        for k in range(num_mtp):
+            m = model.mtp_module(k)
+            xm = m.eh_proj(torch.cat([m.enorm(e), m.hnorm(h)], dim=-1))
+            out.append(m.self_attn._project(m.input_layernorm(xm), rope, cos, sin)[2][0])
+    return out
+
+
 @pytest.mark.parametrize("ckpt,mode,K,pattern,chunked", [
     ("tiny1", "eagle", 3, None, False),
     ("tiny1", "eagle", 3, [2, 0, 3, 1], True),
@@ -268,8 +290,13 @@ def test_rewind_leaves_caches_equal_to_a_fresh_prefill(models, ckpt, mode, K, pa
         f = fresh.add_request(s.all_ids[:nc], greedy(2))
         fresh.step()
         assert f.output_ids == [s.all_ids[nc]]                       # the same bonus token
-        for layer, (a, b) in enumerate(zip(_gather(eng, s, nc), _gather(fresh, f, nc))):
+        cached = _gather(eng, s, nc)
+        for layer, (a, b) in enumerate(zip(cached, _gather(fresh, f, nc))):
             assert torch.allclose(a, b, atol=1e-5), f"layer {layer}: max diff {(a - b).abs().max():.2e}"
+        used = model.num_main_layers + (1 if mode == "eagle" else K)
+        for layer, want in enumerate(_definition(model, s.all_ids, nc, used - model.num_main_layers)):
+            a = cached[layer]
+            assert torch.allclose(a, want, atol=1e-5), f"layer {layer}: max diff {(a - want).abs().max():.2e}"
 
 
 # ---- relaxed acceptance through the engine (thinking phase) ----------------------------------

@@ -63,7 +63,14 @@ def read_safetensors_header(path: Path) -> dict:
         raise ValueError(f"cannot read {path}: {e.strerror}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError(f"{path} has a corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path} has a corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
+    for name, v in header.items():
+        if not (isinstance(v, dict) and isinstance(v.get("dtype"), str) and isinstance(v.get("shape"), list)
+                and isinstance(v.get("data_offsets"), list) and len(v["data_offsets"]) == 2
+                and all(isinstance(o, int) for o in v["data_offsets"])):
+            raise ValueError(f"{path} has a corrupt safetensors header entry for {name!r}")
     data_len = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
     if 8 + n + data_len > size:
         raise ValueError(f"{path} is truncated: its header needs {8 + n + data_len} bytes, the file has {size}")
@@ -79,6 +86,9 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{index} is not a valid index (needs a 'weight_map' object)") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise ValueError(f"{index}: 'weight_map' must map tensor names to shard file names (strings)")
         shards = {name: _contained(d, rel, str(index)) for name, rel in weight_map.items()}
         for name, p in shards.items():
             if not p.is_file():
@@ -95,7 +105,12 @@ def open_checkpoint(model_dir: str | Path) -> Checkpoint:
     for f in sorted(set(shards.values())) if shards else files:
         shard_tensors[f] = read_safetensors_header(f)
     if not shards:
-        shards = {name: f for f, hdr in shard_tensors.items() for name in hdr}
+        for f, hdr in shard_tensors.items():
+            for name in hdr:
+                if name in shards:
+                    raise ValueError(f"tensor {name} is in both {shards[name].name} and {f.name}; "
+                                     "remove one file or add a model.safetensors.index.json")
+                shards[name] = f
     else:
         for name, f in shards.items():
             if name not in shard_tensors[f]:
