@@ -15,6 +15,11 @@ app.command("quickstart", help="Generate text for prompts (mirror of TensorRT-LL
 app.command("make-tiny", help="Write a tiny random DeepSeek-V3 checkpoint (for tests and offline trials).")(
     make_tiny_command)
 
+from cli.train import train_command  # noqa: E402
+
+app.command("train", help="Train the shipped model's recipe (DeepSeek-V3 architecture + MTP), resumable.")(
+    train_command)
+
 try:  # commands added by later issues register themselves only when their module is present
     from cli.quantize import quantize_command
     app.command("quantize", help="Write FP8-block or NVFP4 checkpoints from a bf16/fp32 one.")(quantize_command)

@@ -31,12 +31,13 @@ from mtp_core.loader import load_model
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.sampling import SamplingParams
 from mtp_core.tiny import make_tiny_checkpoint
+from mtp_core.tokenizer import Tokenizer
 
 torch.set_num_threads(1)
 
 EMBED_SCALE = 5.0
-EOS_ID = 2                      # <｜end▁of▁sentence｜> in the tiny tokenizer
-THINK_IDS = (5, 6)              # <think>, </think> in the tiny tokenizer
+EOS_ID = 2                      # <｜end▁of▁sentence｜> in the tiny tokenizer (checked when it is written)
+THINK_IDS = (5, 6)              # <think>, </think> from Tokenizer.think_token_ids() (checked likewise)
 
 # Prompts as token ids (no tokenizer round trip), lengths 1..23; ids avoid the special tokens 0..6.
 PROMPTS: list[list[int]] = [
@@ -70,6 +71,8 @@ def _tiny(tmp_path_factory, name: str, num_layers: int, num_mtp: int, seed: int)
     out = tmp_path_factory.mktemp("ckpt") / name
     make_tiny_checkpoint(out, seed=seed, num_layers=num_layers, num_mtp=num_mtp)
     _sharpen(out, num_layers, num_mtp)
+    tok = Tokenizer.from_dir(out)
+    assert tok.think_token_ids() == THINK_IDS and tok.eos_token_ids[0] == EOS_ID, "tiny tokenizer ids moved"
     return out
 
 

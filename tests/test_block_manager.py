@@ -143,5 +143,5 @@ class Lifecycle(RuleBasedStateMachine):
             assert self.bm.num_free_blocks == self.bm.num_blocks
 
 
-Lifecycle.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+Lifecycle.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestLifecycle = Lifecycle.TestCase

@@ -33,9 +33,10 @@ IMPLS = [pytest.param(mla_decode_ref, id="ref"), pytest.param(native_mla, id="na
 
 
 def hand_cache() -> tuple[torch.Tensor, torch.Tensor]:
-    """R=2, P=1, page 2. Positions 0, 1 live in block 2, position 2 in block 0; block 1 is garbage.
+    """R=2, P=1, page 2. Positions 0, 1 live in block 2, position 2 in block 0; block 1 and the
+    slot after position 2 are NaN garbage that must not leak into any result.
     Keys: pos0 = [1, 0 | 0], pos1 = [0, 1 | 0], pos2 = [0, 0 | 1]."""
-    cache = torch.full((3, 2, 3), 100.0)                     # [num_blocks, page, R + P]
+    cache = torch.full((3, 2, 3), float("nan"))             # [num_blocks, page, R + P]
     cache[2, 0] = torch.tensor([1.0, 0.0, 0.0])
     cache[2, 1] = torch.tensor([0.0, 1.0, 0.0])
     cache[0, 0] = torch.tensor([0.0, 0.0, 1.0])
@@ -58,7 +59,7 @@ def test_mla_hand_example_causal(impl) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_mla_rows_without_keys(impl) -> None:
     cache, table = hand_cache()
-    table = table.repeat(2, 1)
+    table = torch.cat([torch.tensor([[1, 1]], dtype=torch.int32), table])   # row 0 points at garbage
     q_lat = torch.ones(2, 2, 1, 2)
     q_pe = torch.ones(2, 2, 1, 1)
     # Row 0: padded slot, seqlen 0. Row 1: seqlen 1 < Q = 2, token 0 sits at position -1.

@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import (
     PROMPTS, THINK_IDS, OracleDrafter, greedy, llm_config, make_engine, reference, run_to_end,
@@ -74,6 +75,15 @@ def test_vanilla_needs_one_module_per_draft(tiny1_model):
         make_engine(tiny1_model, nextn=2, mode="vanilla")
 
 
+def test_mtp_on_a_checkpoint_without_mtp_modules_is_refused(tmp_path):
+    from mtp_core.loader import load_model
+    from mtp_core.tiny import make_tiny_checkpoint
+    model = load_model(make_tiny_checkpoint(tmp_path / "no_mtp", num_mtp=0), "float32")[0]
+    with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
+        make_engine(model, nextn=1)
+    assert len(run_to_end(make_engine(model), [PROMPTS[1]], greedy(3))[0].output_ids) == 3
+
+
 @pytest.mark.parametrize("ckpt,mode,K", [("tiny1", "eagle", 3), ("tiny3", "vanilla", 3)])
 def test_eos_inside_accepted_blocks_matches_baseline(models, ckpt, mode, K):
     """EOS = tokens the model emits mid-sequence; with EOS honoured both runs stop at the same place."""
@@ -93,7 +103,7 @@ def test_eos_inside_accepted_blocks_matches_baseline(models, ckpt, mode, K):
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 
-def _oracle_engine(model, K: int, prompt: list[int], horizon: int, **kw) -> tuple[Engine, OracleDrafter]:
+def _oracle_engine(model, K: int, **kw) -> tuple[Engine, OracleDrafter]:
     oracle = OracleDrafter(K, model.config.vocab_size, kw.pop("num_right", None))
     eng = make_engine(model, nextn=K, mode="eagle", drafter=oracle, **kw)
     return eng, oracle
@@ -113,7 +123,7 @@ def test_eos_in_the_middle_of_a_fully_accepted_block(tiny1_model):
     prompt = PROMPTS[3]
     ref = reference(tiny1_model, prompt, MAX_TOKENS)
     j = next(i for i in (6, 7, 10, 11, 14, 15) if ref[i] not in ref[:i])
-    eng, oracle = _oracle_engine(tiny1_model, 3, prompt, MAX_TOKENS, eos=(ref[j],))
+    eng, oracle = _oracle_engine(tiny1_model, 3, eos=(ref[j],))
     seq = _run_oracle(eng, oracle, prompt, ref, SamplingParams(max_tokens=MAX_TOKENS))
     assert seq.output_ids == ref[:j] and seq.finish_reason == "stop"
     steps = 1 + (j - 1) // 4 + 1
@@ -126,7 +136,7 @@ def test_max_tokens_cuts_a_block(tiny1_model, max_tokens, steps):
     """Oracle K=3: tokens after each step are 1, 5, 9, 13, ...; max_tokens cuts the block it falls in."""
     prompt = PROMPTS[2]
     ref = reference(tiny1_model, prompt, 16)
-    eng, oracle = _oracle_engine(tiny1_model, 3, prompt, 16)
+    eng, oracle = _oracle_engine(tiny1_model, 3)
     seq = _run_oracle(eng, oracle, prompt, ref, greedy(max_tokens))
     assert seq.output_ids == ref[:max_tokens] and seq.finish_reason == "length"
     assert seq.stats.num_steps == steps
@@ -155,7 +165,7 @@ def test_oracle_drafter_gives_al_k_plus_one(tiny1_model, K, steps):
     """13 tokens: prefill emits 1, each decode step K+1 -> steps = 1 + ceil(12 / (K+1))."""
     prompt = PROMPTS[4]
     ref = reference(tiny1_model, prompt, 13 + 6)                 # drafts past the end are right too
-    eng, oracle = _oracle_engine(tiny1_model, K, prompt, 13)
+    eng, oracle = _oracle_engine(tiny1_model, K)
     seq = _run_oracle(eng, oracle, prompt, ref, greedy(13))
     assert seq.output_ids == ref[:13]
     st = seq.stats
@@ -169,7 +179,7 @@ def test_oracle_drafter_gives_al_k_plus_one(tiny1_model, K, steps):
 def test_always_wrong_drafter_gives_al_one_and_the_same_text(tiny1_model, K):
     prompt = PROMPTS[5]
     ref = reference(tiny1_model, prompt, 12)
-    eng, oracle = _oracle_engine(tiny1_model, K, prompt, 12, num_right=lambda seq: 0)
+    eng, oracle = _oracle_engine(tiny1_model, K, num_right=lambda seq: 0)
     seq = _run_oracle(eng, oracle, prompt, ref, greedy(12))
     assert seq.output_ids == ref
     assert seq.stats.acceptance_length == 1.0 and seq.stats.num_steps == 12
@@ -181,7 +191,7 @@ def test_partial_acceptance_pattern_statistics(tiny1_model):
     Per position accepted: pos0 in 3 of 4 steps, pos1 in 2, pos2 in 1."""
     prompt = PROMPTS[1]
     ref = reference(tiny1_model, prompt, 11)
-    eng, oracle = _oracle_engine(tiny1_model, 3, prompt, 11, num_right=cycling([0, 1, 2, 3]))
+    eng, oracle = _oracle_engine(tiny1_model, 3, num_right=cycling([0, 1, 2, 3]))
     seq = _run_oracle(eng, oracle, prompt, ref, greedy(11))
     assert seq.output_ids == ref
     st = seq.stats
@@ -218,7 +228,7 @@ def test_vanilla_window_table(tiny3_model, K, accepted, window):
     assert torch.allclose(seq.window_hidden, dense[-K:], atol=1e-5)
     eng.step()                                                        # decode with `accepted` right drafts
     assert seq.num_cached == len(prompt) + accepted + 1
-    assert seq.window_tokens == [name.get(t, t) if isinstance(t, str) else t for t in window]
+    assert seq.window_tokens == [name[t] if isinstance(t, str) else t for t in window]
     nc = seq.num_cached
     assert seq.window_tokens == seq.all_ids[nc - K:nc]
     dense = _dense_hidden(model, seq.all_ids[:nc])
@@ -255,19 +265,41 @@ def _definition(model, ids: list[int], n: int, num_mtp: int) -> list[torch.Tenso
     return out
 
 
-@pytest.mark.parametrize("ckpt,mode,K,pattern,chunked", [
-    ("tiny1", "eagle", 3, None, False),
-    ("tiny1", "eagle", 3, [2, 0, 3, 1], True),
-    ("tiny1", "eagle", 1, [0, 1, 1, 0], False),
-    ("tiny3", "vanilla", 3, None, False),
-    ("tiny3", "vanilla", 3, [1, 3, 0, 2], True),
-    ("tiny3", "vanilla", 2, [2, 0, 1], False),
+def _check_caches(model, eng: Engine, seqs, mode: str, K: int) -> None:
+    """Every cache of every unfinished sequence, positions 0..num_cached-1, equals (a) a fresh engine's
+    prefill of the same tokens and (b) the dense recompute from the definition."""
+    num_mtp = 1 if mode == "eagle" else K
+    for s in seqs:
+        nc = s.num_cached
+        if s.is_finished or nc == 0:
+            continue
+        fresh = make_engine(model, nextn=K, mode=mode, tokens_per_block=4)
+        f = fresh.add_request(s.all_ids[:nc], greedy(2))
+        fresh.step()
+        if nc == s.prefill_target and s.output_ids:                    # prefill done: same bonus token
+            assert f.output_ids == [s.all_ids[nc]]
+        cached = _gather(eng, s, nc)
+        if len(s.all_ids) > nc and f.output_ids == [s.all_ids[nc]]:
+            for layer, (a, b) in enumerate(zip(cached, _gather(fresh, f, nc))):
+                assert torch.allclose(a, b, atol=1e-5), f"layer {layer}: max diff {(a - b).abs().max():.2e}"
+        for layer, want in enumerate(_definition(model, s.all_ids, nc, num_mtp)):
+            a = cached[layer]
+            assert torch.allclose(a, want, atol=1e-5), f"layer {layer}: max diff {(a - want).abs().max():.2e}"
+
+
+@pytest.mark.parametrize("ckpt,mode,K,pattern,budget", [
+    ("tiny1", "eagle", 3, None, None),
+    ("tiny1", "eagle", 3, [2, 0, 3, 1], 12),
+    ("tiny1", "eagle", 1, [0, 1, 1, 0], None),
+    ("tiny3", "vanilla", 3, None, None),
+    ("tiny3", "vanilla", 3, [1, 3, 0, 2], 12),
+    ("tiny3", "vanilla", 3, [3, 1, 2, 0], 6),       # prefill chunks shorter than K
+    ("tiny3", "vanilla", 2, [2, 0, 1], None),
 ])
-def test_rewind_leaves_caches_equal_to_a_fresh_prefill(models, ckpt, mode, K, pattern, chunked):
+def test_rewind_leaves_caches_equal_to_a_fresh_prefill(models, ckpt, mode, K, pattern, budget):
     model = models[ckpt]
-    kw = dict(nextn=K, mode=mode, tokens_per_block=4, enable_chunked_prefill=chunked,
-              max_num_tokens=12 if chunked else 8192)
-    eng = make_engine(model, **kw)
+    eng = make_engine(model, nextn=K, mode=mode, tokens_per_block=4, enable_chunked_prefill=budget is not None,
+                      max_num_tokens=budget or 8192)
     prompts = [PROMPTS[2], PROMPTS[4], PROMPTS[0]]
     oracle = None
     if pattern is not None:
@@ -277,26 +309,34 @@ def test_rewind_leaves_caches_equal_to_a_fresh_prefill(models, ckpt, mode, K, pa
     if oracle:
         for p, s in zip(prompts, seqs):
             oracle.futures[s.request_id] = p + reference(model, p, 60)
-    for _ in range(7):
+    for _ in range(8):
         eng.step()
         for s in seqs:
             assert len(s.block_table) == eng.blocks.blocks_for(s.num_cached)   # rewind returned the tail
     assert any(s.stats.num_draft_accepted for s in seqs)
     assert any(s.stats.num_draft_accepted < s.stats.num_draft_proposed for s in seqs)
-    for s in seqs:
-        nc = s.num_cached
-        assert nc > len(s.prompt_ids) and not s.is_finished
-        fresh = make_engine(model, nextn=K, mode=mode, tokens_per_block=4)
-        f = fresh.add_request(s.all_ids[:nc], greedy(2))
-        fresh.step()
-        assert f.output_ids == [s.all_ids[nc]]                       # the same bonus token
-        cached = _gather(eng, s, nc)
-        for layer, (a, b) in enumerate(zip(cached, _gather(fresh, f, nc))):
-            assert torch.allclose(a, b, atol=1e-5), f"layer {layer}: max diff {(a - b).abs().max():.2e}"
-        used = model.num_main_layers + (1 if mode == "eagle" else K)
-        for layer, want in enumerate(_definition(model, s.all_ids, nc, used - model.num_main_layers)):
-            a = cached[layer]
-            assert torch.allclose(a, want, atol=1e-5), f"layer {layer}: max diff {(a - want).abs().max():.2e}"
+    assert seqs[0].num_cached > len(prompts[0]) and not any(s.is_finished for s in seqs)
+    _check_caches(model, eng, seqs, mode, K)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(vanilla=st.booleans(), K=st.integers(1, 3), pattern=st.lists(st.integers(0, 3), min_size=1, max_size=5),
+       budget=st.sampled_from([None, 5, 9]), steps=st.integers(2, 9), first=st.integers(0, len(PROMPTS) - 1))
+def test_random_acceptance_patterns_keep_every_cache_exact(models, vanilla, K, pattern, budget, steps, first):
+    mode, model = ("vanilla", models["tiny3"]) if vanilla else ("eagle", models["tiny1"])
+    eng = make_engine(model, nextn=K, mode=mode, tokens_per_block=4, enable_chunked_prefill=budget is not None,
+                      max_num_tokens=budget or 8192)
+    oracle = OracleDrafter(K, model.config.vocab_size, cycling(pattern))
+    eng.drafter = ControlledDrafter(eng.drafter, oracle)
+    prompts = [PROMPTS[first], PROMPTS[(first + 3) % len(PROMPTS)]]
+    seqs = [eng.add_request(p, greedy(30)) for p in prompts]
+    for p, s in zip(prompts, seqs):
+        oracle.futures[s.request_id] = p + reference(model, p, 40)
+    for _ in range(steps):
+        eng.step()
+    for p, s in zip(prompts, seqs):
+        assert s.output_ids == reference(model, p, 40)[: len(s.output_ids)]
+    _check_caches(model, eng, seqs, mode, K)
 
 
 # ---- relaxed acceptance through the engine (thinking phase) ----------------------------------
@@ -357,6 +397,16 @@ def test_outside_thinking_relaxed_is_not_applied(tiny1_model, prompt):
     assert seq.output_ids == reference(tiny1_model, prompt, 12)
 
 
+def test_thinking_and_non_thinking_rows_in_one_batch(tiny1_model):
+    model, think, end = tiny1_model, THINK_IDS[0], THINK_IDS[1]
+    thinking, plain = [120, 220, think], [100, 200, 300]
+    eng = _relaxed_engine(model, [X, end, X])
+    a, b = run_to_end(eng, [thinking, plain], greedy(14))
+    head = [reference(model, thinking, 1)[0], X, end, X]
+    assert a.output_ids == head + reference(model, thinking + head, 10)
+    assert b.output_ids == reference(model, plain, 14)
+
+
 def test_thinking_entered_by_an_emitted_start_token(tiny1_model):
     """Use as '<think>' a token the greedy run emits at index j: up to j decoding is strict (lossless);
     the step after it is relaxed and accepts all three X drafts."""
@@ -390,6 +440,20 @@ def test_relaxed_without_think_tokens_is_refused(tiny1_model, tiny1_dir, tmp_pat
 
 
 # ---- sampling: seeded runs repeat ------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="BUG: Engine.add_request seeds a CPU torch.Generator; torch.multinomial on CUDA "
+                          "probabilities rejects a CPU generator")
+def test_seeded_sampling_on_cuda(tiny1_dir):
+    from mtp_core.loader import load_model
+    model = load_model(tiny1_dir, "float32", "cuda")[0]
+    params = SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
+    runs = [run_to_end(make_engine(model, nextn=2, mode="eagle", device="cuda"), [PROMPTS[2]], params)[0]
+            for _ in range(2)]
+    assert runs[0].output_ids == runs[1].output_ids and len(runs[0].output_ids) == 8
+
 
 @pytest.mark.parametrize("nextn,mode", [(0, "auto"), (2, "eagle"), (3, "vanilla")])
 def test_seeded_sampling_repeats_exactly(tiny3_model, nextn, mode):

@@ -34,6 +34,9 @@ struct MlaDecodeParams {
 // KV splits for a launch: a function of shapes only (stable under CUDA-graph capture).
 int mla_decode_num_splits(int batch, int num_q, int num_heads, int max_blocks, int num_sms);
 cudaError_t mla_decode_fp8(const MlaDecodeParams& params, cudaStream_t stream);
+// Merge the num_splits partial (out, lse) pairs into out / lse (mla_combine.cu); called by
+// mla_decode_fp8 when num_splits > 1.
+cudaError_t mla_decode_combine(const MlaDecodeParams& params, cudaStream_t stream);
 
 // ---- NVFP4 weight-only GEMM (nvfp4_gemm.cu) ---------------------------------------------------
 constexpr int kNvfp4GemmTileK = 64;  // K must be a multiple of this

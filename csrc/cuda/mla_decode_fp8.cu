@@ -37,21 +37,6 @@ constexpr int kMaxDevices = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-struct Params {
-  const bf16* q_lat;        // [B, Q*H, 512]
-  const bf16* q_pe;         // [B, Q*H, 64]
-  const uint8_t* kv;        // [num_blocks, 64, 576] e4m3 bytes
-  const int* block_table;   // [B, block_table_stride]
-  const int* seqlens;       // [B]
-  const float* kv_scale;    // [1] or nullptr
-  bf16* out;                // [B, Q*H, 512]
-  float* lse;               // [B, H, Q]
-  float* part_out;          // [B, num_splits, Q*H, 512] (num_splits > 1)
-  float* part_lse;          // [B, num_splits, Q*H]
-  int64_t block_table_stride;
-  int batch, num_q, num_heads, num_splits;
-  float score_scale_log2;   // softmax_scale * log2(e)
-};
 
 template <int RW, int CW>
 struct Cfg {
@@ -73,7 +58,7 @@ struct Cfg {
 };
 
 template <int RW, int CW>
-__global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kernel(const Params p) {
+__global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kernel(const MlaDecodeParams p) {
   using C = Cfg<RW, CW>;
   extern __shared__ __align__(16) uint8_t smem[];
   bf16* q_s = reinterpret_cast<bf16*>(smem);                                   // [kRows][kStride]
@@ -82,6 +67,9 @@ __global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kerne
   float* red = reinterpret_cast<float*>(smem + C::kQBytes + C::kKBytes + C::kPBytes);  // [CW][kRows]
   uint8_t* raw = smem + C::kQBytes + C::kKBytes + C::kPBytes + C::kRedBytes;   // [kStages][page]
 
+  const bf16* q_lat = static_cast<const bf16*>(p.q_lat);
+  const bf16* q_pe = static_cast<const bf16*>(p.q_pe);
+  const uint8_t* kv = static_cast<const uint8_t*>(p.kv);
   const int split = blockIdx.y;
   const int b = blockIdx.z;
   const int tid = threadIdx.x;
@@ -100,7 +88,7 @@ __global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kerne
 
   auto load_page = [&](int page, int stage) {
     if (page < page_end) {
-      const uint8_t* src = p.kv + static_cast<int64_t>(table[page]) * kPageBytes;
+      const uint8_t* src = kv + static_cast<int64_t>(table[page]) * kPageBytes;
       uint8_t* dst = raw + stage * kPageBytes;
       for (int c = tid; c < kPageBytes / 16; c += C::kThreads) cp_async_16(dst + c * 16, src + c * 16);
     }
@@ -116,8 +104,8 @@ __global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kerne
     uint4 v = make_uint4(0, 0, 0, 0);
     if (m < num_rows) {
       const int64_t row = static_cast<int64_t>(b) * num_rows + m;
-      const bf16* src = col < kDimLatent ? p.q_lat + row * kDimLatent + col
-                                         : p.q_pe + row * kDimRope + (col - kDimLatent);
+      const bf16* src = col < kDimLatent ? q_lat + row * kDimLatent + col
+                                         : q_pe + row * kDimRope + (col - kDimLatent);
       v = *reinterpret_cast<const uint4*>(src);
     }
     *reinterpret_cast<uint4*>(q_s + r * kStride + col) = v;
@@ -131,7 +119,7 @@ __global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kerne
     last_pos[i] = m < num_rows ? seqlen - p.num_q + m / p.num_heads : -1;
   }
   const float kv_scale = p.kv_scale != nullptr ? *p.kv_scale : 1.0f;
-  const float score_scale = p.score_scale_log2 * kv_scale;
+  const float score_scale = p.softmax_scale * kLog2e * kv_scale;
 
   float o[C::kOTiles][4];
 #pragma unroll
@@ -144,15 +132,20 @@ __global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kerne
     cp_async_wait<C::kStages - 1>();
     __syncthreads();  // page landed for every thread; previous tile's k_s / p_s readers are done
 
+    // Slots past seqlen in the last page hold stale or uninitialized bytes (maybe fp8 NaN, and
+    // 0 * NaN = NaN in P V): store them as zeros. The causal mask hides them from the scores.
     const uint8_t* src = raw + stage * kPageBytes;
+    const int valid_keys = seqlen - page * kPage;
     for (int c = tid; c < kPageBytes / 8; c += C::kThreads) {
       const int key = c / (kDim / 8), col = (c % (kDim / 8)) * 8;
-      const uint2 v = *reinterpret_cast<const uint2*>(src + c * 8);
-      uint4 w;
-      w.x = fp8x2_e4m3_to_bf16x2(v.x);
-      w.y = fp8x2_e4m3_to_bf16x2(v.x >> 16);
-      w.z = fp8x2_e4m3_to_bf16x2(v.y);
-      w.w = fp8x2_e4m3_to_bf16x2(v.y >> 16);
+      uint4 w = make_uint4(0u, 0u, 0u, 0u);
+      if (key < valid_keys) {
+        const uint2 v = *reinterpret_cast<const uint2*>(src + c * 8);
+        w.x = fp8x2_e4m3_to_bf16x2(v.x);
+        w.y = fp8x2_e4m3_to_bf16x2(v.x >> 16);
+        w.z = fp8x2_e4m3_to_bf16x2(v.y);
+        w.w = fp8x2_e4m3_to_bf16x2(v.y >> 16);
+      }
       *reinterpret_cast<uint4*>(k_s + key * kStride + col) = w;
     }
     __syncthreads();
@@ -269,7 +262,7 @@ __global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kerne
     const float lse = total > 0.f ? (row_max[i] + log2f(total)) * kLn2 : -INFINITY;
     const int col0 = cw * C::kColsPerWarp + 2 * t;
     if (p.num_splits == 1) {
-      bf16* dst = p.out + (static_cast<int64_t>(b) * num_rows + m) * kDimLatent + col0;
+      bf16* dst = static_cast<bf16*>(p.out) + (static_cast<int64_t>(b) * num_rows + m) * kDimLatent + col0;
 #pragma unroll
       for (int n = 0; n < C::kOTiles; ++n)
         *reinterpret_cast<uint32_t*>(dst + n * 8) = pack_bf16x2(o[n][2 * i] * inv, o[n][2 * i + 1] * inv);
@@ -288,48 +281,8 @@ __global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kerne
   }
 }
 
-// Merge split partials: out = sum_s exp(lse_s - lse) * out_s, lse = log sum_s exp(lse_s).
-// Grid (Q*H, B), 128 threads x 4 columns.
-__global__ void __launch_bounds__(128) mla_combine_kernel(const Params p) {
-  const int m = blockIdx.x, b = blockIdx.y;
-  const int num_rows = p.num_q * p.num_heads;
-  const int64_t row_base = static_cast<int64_t>(b) * p.num_splits * num_rows + m;
-  float max_lse = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) max_lse = fmaxf(max_lse, p.part_lse[row_base + s * num_rows]);
-  float total = 0.f;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float l = p.part_lse[row_base + s * num_rows];
-    total += l == -INFINITY ? 0.f : expf(l - max_lse);
-  }
-  const int col = threadIdx.x * 4;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (total > 0.f) {
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float l = p.part_lse[row_base + s * num_rows];
-      if (l == -INFINITY) continue;
-      const float w = expf(l - max_lse) / total;
-      const float4 v =
-          *reinterpret_cast<const float4*>(p.part_out + (row_base + s * num_rows) * kDimLatent + col);
-      acc.x += w * v.x;
-      acc.y += w * v.y;
-      acc.z += w * v.z;
-      acc.w += w * v.w;
-    }
-  }
-  bf16* dst = p.out + (static_cast<int64_t>(b) * num_rows + m) * kDimLatent + col;
-  uint2 packed;
-  packed.x = pack_bf16x2(acc.x, acc.y);
-  packed.y = pack_bf16x2(acc.z, acc.w);
-  *reinterpret_cast<uint2*>(dst) = packed;
-  if (threadIdx.x == 0) {
-    const int qi = m / p.num_heads, h = m % p.num_heads;
-    p.lse[(static_cast<int64_t>(b) * p.num_heads + h) * p.num_q + qi] =
-        total > 0.f ? max_lse + logf(total) : -INFINITY;
-  }
-}
-
 template <int RW, int CW>
-cudaError_t launch(const Params& p, cudaStream_t stream) {
+cudaError_t launch(const MlaDecodeParams& p, cudaStream_t stream) {
   using C = Cfg<RW, CW>;
   auto* kernel = &mla_decode_fp8_kernel<RW, CW>;
   // The dynamic shared-memory limit is raised once per device, before any graph capture needs it.
@@ -358,38 +311,21 @@ int mla_decode_num_splits(int batch, int num_q, int num_heads, int max_blocks, i
   const int rows = rows_per_cta(num_rows);
   const int64_t ctas = static_cast<int64_t>(batch) * ((num_rows + rows - 1) / rows);
   if (ctas <= 0) return 1;
-  // Enough splits to give every SM one CTA (one CTA fits per SM).
-  const int64_t splits = (num_sms + ctas - 1) / ctas;
+  // One CTA fits per SM: use as many splits as fill the SMs in one wave (rounding down; a second,
+  // mostly empty wave would cost a whole extra CTA time).
+  const int64_t splits = num_sms / ctas;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({splits, max_blocks, kMaxSplits})));
 }
 
-cudaError_t mla_decode_fp8(const MlaDecodeParams& params, cudaStream_t stream) {
-  Params p{};
-  p.q_lat = static_cast<const bf16*>(params.q_lat);
-  p.q_pe = static_cast<const bf16*>(params.q_pe);
-  p.kv = static_cast<const uint8_t*>(params.kv);
-  p.block_table = params.block_table;
-  p.seqlens = params.seqlens;
-  p.kv_scale = params.kv_scale;
-  p.out = static_cast<bf16*>(params.out);
-  p.lse = params.lse;
-  p.part_out = params.part_out;
-  p.part_lse = params.part_lse;
-  p.block_table_stride = params.block_table_stride;
-  p.batch = params.batch;
-  p.num_q = params.num_q;
-  p.num_heads = params.num_heads;
-  p.num_splits = params.num_splits;
-  p.score_scale_log2 = params.softmax_scale * kLog2e;
+cudaError_t mla_decode_fp8(const MlaDecodeParams& p, cudaStream_t stream) {
   const int num_rows = p.num_q * p.num_heads;
   if (p.batch == 0 || num_rows == 0) return cudaSuccess;
   const int rows = rows_per_cta(num_rows);
-  cudaError_t err = rows == 16 ? launch<1, 4>(p, stream)
-                  : rows == 32 ? launch<2, 4>(p, stream)
-                               : launch<4, 2>(p, stream);
+  const cudaError_t err = rows == 16 ? launch<1, 4>(p, stream)
+                        : rows == 32 ? launch<2, 4>(p, stream)
+                                     : launch<4, 2>(p, stream);
   if (err != cudaSuccess || p.num_splits == 1) return err;
-  mla_combine_kernel<<<dim3(num_rows, p.batch), 128, 0, stream>>>(p);
-  return cudaGetLastError();
+  return mla_decode_combine(p, stream);
 }
 
 }  // namespace mtp_core::cuda

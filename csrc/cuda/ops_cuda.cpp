@@ -19,10 +19,16 @@ namespace {
 
 namespace k = mtp_core::cuda;
 
+// Multiprocessor count of the tensor's device, queried once per device (launch shapes depend on it).
 int num_sms(const at::Tensor& t) {
-  int count = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, t.get_device()));
-  return count;
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};
+  const int device = t.get_device();
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "mtp_core CUDA ops: device index ", device, " unsupported");
+  if (cached[device] == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&cached[device], cudaDevAttrMultiProcessorCount, device));
+  }
+  return cached[device];
 }
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }

@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import random
 
-from mtp_core.data.phrasing import (
-    Trace, digits_of, maybe, number_list, pick, place, style_for_line, with_connector,
-)
+from mtp_core.data.phrasing import Phraser, Trace, digits_of, maybe, number_list, pick, place
 
 
 def _values(rng: random.Random, count: int) -> tuple[int, ...]:
@@ -32,29 +30,30 @@ def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
                               f"Put {shown} in order from largest to smallest.",
                               f"Arrange in decreasing order: {shown}."))
     target = sorted(values, reverse=not asc)
+    ph = Phraser(rng)
     word = "smallest" if asc else "largest"
     lines: list[str] = []
     if maybe(rng, 0.6):
         lines.append(pick(rng, (f"I'll repeatedly take the {word} remaining number.",
                                 f"Let me pick out the {word} number each time.",
                                 f"Find the {word}, remove it, and repeat.")))
-        rest, style = list(values), rng.randrange(4)
-        for v in target[:-1]:
+        rest = list(values)
+        for k, v in enumerate(target[:-1]):
             before = number_list(rest)
             rest.remove(v)
-            lines.append((f"{word.capitalize()} of {before}: {v}.", f"The {word} of {before} is {v}.",
-                          f"Take {v}. {pick(rng, ('Left', 'Remaining'))}: {number_list(rest)}.",
-                          f"Next {word}: {v}, leaving {number_list(rest)}.")[style_for_line(rng, style, 4)])
+            line = (f"{word.capitalize()} of {before}: {v}.", f"The {word} of {before} is {v}.",
+                    f"Take {v}. Left: {number_list(rest)}.",
+                    f"Next {word}: {v}, leaving {number_list(rest)}.")[ph.index("sort.take", 4)]
+            lines.append(ph.connect(line, ("", "Then ", "Now ")) if k > 0 else line)
         lines.append(pick(rng, (f"Only {rest[0]} is left.", f"The last one is {rest[0]}.", f"Take {rest[0]}.")))
     else:
         lines.append(pick(rng, ("I'll insert the numbers one at a time into a sorted list.",
                                 "Let me build the sorted list by inserting one number at a time.")))
         lines.append(pick(rng, (f"Start with {values[0]}.", f"Begin with {values[0]}.")))
-        style = rng.randrange(3)
         for i in range(1, len(values)):
             v, now = values[i], number_list(sorted(values[:i + 1], reverse=not asc))
-            line = (f"Insert {v}: {now}.", f"Add {v}: {now}.", f"{v} goes in: {now}.")[style_for_line(rng, style, 3)]
-            lines.append(with_connector(rng, line, 0.4, ("Then ", "Next, ")))
+            line = ph.choose("sort.insert", (f"Insert {v}: {now}.", f"Add {v}: {now}.", f"{v} goes in: {now}."))
+            lines.append(ph.connect(line, ("", "Then ", "Next, ")))
     order = "ascending" if asc else "descending"
     lines.append(pick(rng, (f"Sorted: {number_list(target)}.", f"In {order} order: {number_list(target)}.",
                             f"So the order is {number_list(target)}.")))
@@ -78,10 +77,10 @@ def render_max(values: tuple[int, ...], rng: random.Random) -> Trace:
     lines = [pick(rng, ("I'll scan the list and keep the largest so far.",
                         "Go through the numbers one by one, tracking the maximum.",
                         "Let me keep a running maximum."))]
-    cur, style = values[0], rng.randrange(3)
+    cur, ph = values[0], Phraser(rng)
     lines.append(pick(rng, (f"Start with {cur}.", f"The first number is {cur}, so the max so far is {cur}.")))
     for v in values[1:]:
-        line_style = style_for_line(rng, style, 3)
+        line_style = ph.index("max.step", 3)
         if line_style == 0:
             rel = ">" if v > cur else "<" if v < cur else "="
             line = f"{v} {rel} {cur}, " + (f"new max {v}." if v > cur else f"keep {cur}.")
@@ -90,7 +89,7 @@ def render_max(values: tuple[int, ...], rng: random.Random) -> Trace:
         else:
             line = (f"{v} is bigger than {cur}, so the max is now {v}." if v > cur
                     else f"{v} is not bigger than {cur}, so the max stays {cur}.")
-        lines.append(with_connector(rng, line, 0.4, ("Then ", "Next, ")))
+        lines.append(ph.connect(line, ("", "Then ", "Next, ")))
         cur = max(cur, v)
     lines.append(pick(rng, (f"The largest is {cur}.", f"So the maximum is {cur}.",
                             f"After checking all {len(values)}, the biggest is {cur}.")))
@@ -138,16 +137,17 @@ def render_compare(ops: tuple[int, int, str], rng: random.Random) -> Trace:
         unit = _digits(na)
         lines = [pick(rng, (f"Both have {unit}, so compare from the left.",
                             f"{a} and {b} both have {unit}. Compare digit by digit from the left."))]
-        style = rng.randrange(3)
+        ph = Phraser(rng)
         for i, (x, y) in enumerate(zip(digits_of(a), digits_of(b))):
-            line_style = style_for_line(rng, style, 3)
+            line_style = ph.index("compare.digit", 3)
             if line_style == 0:
-                lines.append(f"{x} vs {y}: " + ("same." if x == y else f"{max(x, y)} is bigger."))
+                line = f"{x} vs {y}: " + ("same." if x == y else f"{max(x, y)} is bigger.")
             elif line_style == 1:
                 rel = "=" if x == y else ">" if x > y else "<"
-                lines.append(f"{place(na - 1 - i).capitalize()}: {x} {rel} {y}.")
+                line = f"{place(na - 1 - i).capitalize()}: {x} {rel} {y}."
             else:
-                lines.append(f"{x} and {y}: " + ("equal, keep going." if x == y else f"{max(x, y)} is larger."))
+                line = f"{x} and {y}: " + ("equal, keep going." if x == y else f"{max(x, y)} is larger.")
+            lines.append(ph.connect(line, ("", "Then ", "Next, ")) if i > 0 else line)
             if x != y:
                 break
         lines.append(pick(rng, (f"So {big} is larger.", f"That decides it: {big} is larger.")))

@@ -1,9 +1,10 @@
 """Small helpers that put controlled randomness into reasoning traces.
 
-Every trace is built from a per-example *style* (picked once, then reused for every step, so the steps
-stay predictable once the first one is seen) plus a few optional lines (openings, re-checks, asides).
-The uncertainty a perfect model faces is thus concentrated at phrase boundaries, while the digit-level
-working is a fixed function of the operands. `ngram_predictability` gives a rough measure of that.
+The wording of each recurring step (its label, verb, connector) comes from a `Phraser`: a preferred
+option per trace, kept about half the time, so a trace has a style yet every step boundary stays
+uncertain. Openings, re-checks and asides are optional lines. The digit-level working is a fixed
+function of the operands, so the uncertainty a perfect model faces sits at phrase boundaries.
+`ngram_predictability` gives a rough measure of how predictable the traces are.
 """
 from __future__ import annotations
 
@@ -63,19 +64,38 @@ def maybe(rng: random.Random, p: float) -> bool:
     return rng.random() < p
 
 
-def with_connector(rng: random.Random, line: str, p: float = 0.75,
-                   options: Sequence[str] = ("Next, ", "Then ", "Now ")) -> str:
-    """Sometimes start a step with a connective word: 'Then ones: ...'."""
-    if not maybe(rng, p):
-        return line
-    return pick(rng, options) + line[0].lower() + line[1:]
+class Phraser:
+    """Wording choices for one trace: each recurring slot (a step's label, its verb, its connector) gets
+    a preferred option on first use, kept with probability `stickiness` at each later use and otherwise
+    swapped for another option, uniformly. So a trace has a recognisable style but stays uncertain at
+    every step boundary, the way a person's (or R1's) writing does.
+    """
+
+    def __init__(self, rng: random.Random, stickiness: float = 0.5) -> None:
+        self.rng = rng
+        self.stickiness = stickiness
+        self._preferred: dict[str, int] = {}
+
+    def index(self, slot: str, num_options: int) -> int:
+        if slot not in self._preferred:
+            self._preferred[slot] = self.rng.randrange(num_options)
+            return self._preferred[slot]
+        main = self._preferred[slot]
+        if num_options > 1 and not maybe(self.rng, self.stickiness):
+            return (main + 1 + self.rng.randrange(num_options - 1)) % num_options
+        return main
+
+    def choose(self, slot: str, options: Sequence[str]) -> str:
+        return options[self.index(slot, len(options))]
+
+    def connect(self, line: str, options: Sequence[str] = ("", "Next, ", "Then ", "Now ")) -> str:
+        """Start a later step with a connective word (or none): 'Then ones: ...'."""
+        word = self.choose("connector", options)
+        return word + line[0].lower() + line[1:] if word else line
 
 
-def style_for_line(rng: random.Random, main: int, num_styles: int, p_switch: float = 0.5) -> int:
-    """The example's main style, or (with probability `p_switch`) another one for this line only."""
-    if num_styles > 1 and maybe(rng, p_switch):
-        return (main + 1 + rng.randrange(num_styles - 1)) % num_styles
-    return main
+def cap(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def digits_of(n: int) -> list[int]:

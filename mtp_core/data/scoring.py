@@ -4,14 +4,15 @@ Every training completion ends with the line `The answer is X.` after `</think>`
 the phrase "The answer is" never occurs inside a reasoning trace. So the final answer is read from the
 last paragraph of the generated text (after the last `</think>` if one is visible), which works whether
 the decoder kept `<think>`/`</think>` or skipped them: with them skipped the text is
-`reasoning\\n\\n\\nThe answer is X.` and the last paragraph is still the answer line.
+`reasoning\\n\\n\\nThe answer is X.` and the last paragraph is still the answer line. Text after a
+visible EOS (generation with ignore_eos) is cut off first.
 """
 from __future__ import annotations
 
 import re
 from collections import defaultdict
 
-from mtp_core.chat_format import SPECIAL_TOKENS, THINK_END
+from mtp_core.chat_format import EOS, SPECIAL_TOKENS, THINK_END
 
 ANSWER_PREFIX = "The answer is"
 _ANSWER_RE = re.compile(r"The answer is\s*(.*?)\s*$", re.DOTALL)
@@ -33,7 +34,7 @@ def normalize_answer(answer: str) -> str:
 
 def extract_answer(generated_text: str) -> str | None:
     """The normalized final answer in `generated_text`, or None when there is no answer line."""
-    text = generated_text
+    text = generated_text.split(EOS, 1)[0]         # anything generated past EOS is not the answer
     if THINK_END in text:
         text = text.rsplit(THINK_END, 1)[1]
     for token in SPECIAL_TOKENS:

@@ -14,7 +14,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mtp_core.data import arithmetic, lists, words
+from mtp_core.data import arithmetic, lists, multiplication, words
 from mtp_core.data.phrasing import Trace
 
 SPLITS = ("train", "eval")
@@ -38,7 +38,7 @@ def _unordered(ops: tuple) -> tuple:
 FAMILY_SPECS: dict[str, Family] = {f.name: f for f in (
     Family("add", arithmetic.sample_add, arithmetic.render_add, _unordered, 0.17),
     Family("sub", arithmetic.sample_sub, arithmetic.render_sub, tuple, 0.17),
-    Family("mul", arithmetic.sample_mul, arithmetic.render_mul, _unordered, 0.20),
+    Family("mul", multiplication.sample_mul, multiplication.render_mul, _unordered, 0.20),
     Family("sort", lists.sample_sort, lists.render_sort, lambda ops: tuple(sorted(ops[1])), 0.10),
     Family("count", words.sample_count, words.render_count, tuple, 0.09),
     Family("compare", lists.sample_compare, lists.render_compare, lambda ops: tuple(sorted(ops[:2])), 0.08),

@@ -29,7 +29,7 @@ def render_count(ops: tuple[str, str], rng: random.Random) -> Trace:
     if maybe(rng, 0.5):
         lines.append(f"The word has {len(word)} letters.")
     if maybe(rng, 0.5):
-        lines.append(f"{'-'.join(word)}.")
+        lines.append(pick(rng, ("-", " ")).join(word) + ".")
         mark = pick(rng, ("{c} ({n})", "{c} (that's {n})", "{c} -> {n}"))
         marked, running = [], 0
         for c in word:
@@ -37,7 +37,7 @@ def render_count(ops: tuple[str, str], rng: random.Random) -> Trace:
             marked.append(mark.format(c=c, n=running) if c == letter else c)
         lines.append(pick(rng, ("", "Counting: ", "Going through: ")) + ", ".join(marked) + ".")
     else:
-        lines.append(f"Letters: {', '.join(word)}.")
+        lines.append(pick(rng, ("Letters: ", "The letters are ", "Spelled out: ")) + ", ".join(word) + ".")
         if positions:
             noun = "position" if count == 1 else "positions"
             lines.append(f"'{letter}' is at {noun} {join_and(positions)}.")
@@ -69,9 +69,9 @@ def render_reverse(ops: tuple[str], rng: random.Random) -> Trace:
                         f"I'll take the letters of \"{word}\" from last to first."))]
     if maybe(rng, 0.5):
         lines.append(f"\"{word}\" has {len(word)} letters.")
-    sep = pick(rng, ("-", ", "))
-    lines.append(pick(rng, ("Letters: ", "Forwards: ")) + sep.join(word) + ".")
-    lines.append(pick(rng, ("Backwards: ", "Reversed: ")) + sep.join(rev) + ".")
+    sep = pick(rng, ("-", ", ", " "))
+    lines.append(pick(rng, ("Letters: ", "Forwards: ", "Spelled out: ")) + sep.join(word) + ".")
+    lines.append(pick(rng, ("Backwards: ", "Reversed: ", "From the end: ")) + sep.join(rev) + ".")
     lines.append(pick(rng, (f"Joined: {rev}.", f"Put together: {rev}.", f"So the reversed word is {rev}.")))
     if maybe(rng, 0.5):
         lines.append(f"Check: the first letter {word[0]} is now last, and the last letter {word[-1]} is now first.")

@@ -50,10 +50,13 @@ def mla_decode_ref(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tens
     -> (out [B, Q, H, R] in q_lat's dtype, lse float32 [B, H, Q]). Computed in fp32."""
     num_q, latent_dim = q_lat.shape[1], q_lat.shape[3]
     keys = gather_latents(kv_cache, block_table, kv_scale)                         # [B, L, R + P]
+    positions = torch.arange(keys.shape[1], device=keys.device)                    # [L]
+    # Slots past cache_seqlens may hold garbage, even NaN (0 * NaN = NaN in probs @ keys): zero them.
+    cached = positions[None, :] < cache_seqlens.long()[:, None]                    # [B, L]
+    keys = keys.masked_fill(~cached[..., None], 0.0)
     query = torch.cat([q_lat, q_pe], dim=-1).float()                               # [B, Q, H, R + P]
     scores = torch.einsum("bqhd,bld->bhql", query, keys) * softmax_scale           # [B, H, Q, L]
 
-    positions = torch.arange(keys.shape[1], device=keys.device)                    # [L]
     last = (cache_seqlens.long()[:, None] - num_q
             + torch.arange(num_q, device=keys.device)[None, :])                    # [B, Q]
     visible = positions[None, None, :] <= last[:, :, None]                         # [B, Q, L]

@@ -56,9 +56,13 @@ class MLAttention(nn.Module):
         q = q.view(*x.shape[:-1], self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_pe = rope.apply(q_pe, cos, sin, has_heads=True)
+        return q_nope, q_pe, self.project_kv(x, rope, cos, sin)
+
+    def project_kv(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+                   ) -> torch.Tensor:
+        """x [..., T, hidden] -> the cached latent [..., T, r+dr] (normed c_kv | roped k_pe)."""
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv = torch.cat([self.kv_a_layernorm(ckv), rope.apply(k_pe, cos, sin, has_heads=False)], dim=-1)
-        return q_nope, q_pe, kv
+        return torch.cat([self.kv_a_layernorm(ckv), rope.apply(k_pe, cos, sin, has_heads=False)], dim=-1)
 
     def _w_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, dn, r], W_UV [H, dv, r]."""

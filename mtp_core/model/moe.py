@@ -54,6 +54,8 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.gate(x)                                               # [T, k]
+        if self.training:   # expert loads, for aux-loss-free balancing of e_score_correction_bias
+            self.load_counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).detach()
         out = self.routed(x, weights, idx)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -1,0 +1,77 @@
+"""Training recipes: model shape + optimisation settings, fixed so that a run is reproducible."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Recipe:
+    name: str
+    vocab_size: int = 1024
+    hidden_size: int = 192
+    num_layers: int = 8
+    num_heads: int = 4
+    q_lora_rank: int = 96
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    intermediate_size: int = 512
+    moe_intermediate_size: int = 128
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    n_group: int = 2
+    topk_group: int = 1
+    first_k_dense_replace: int = 1
+    num_mtp_modules: int = 3
+    eagle_depth: int = 3             # module 1 also trained recursively to this depth
+    max_position_embeddings: int = 1024
+    seq_len: int = 384
+    batch_size: int = 12
+    steps: int = 1200
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 60
+    weight_decay: float = 0.05
+    mtp_lambda: float = 0.3          # weight of the mean Vanilla-chain loss (and of the Eagle-chain loss)
+    bias_update_speed: float = 1e-3  # aux-loss-free expert balancing (DeepSeek-V3)
+    general_fraction: float = 0.08
+    tokenizer_examples: int = 6000
+    save_every: int = 100
+    num_threads: int = 2
+    seed: int = 0
+    ship_dtype: str = "bfloat16"
+    extra: dict = field(default_factory=dict)
+
+    def model_config(self, vocab_size: int, bos: int, eos: int) -> dict:
+        return {
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "vocab_size": vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "moe_intermediate_size": self.moe_intermediate_size,
+            "num_hidden_layers": self.num_layers, "num_nextn_predict_layers": self.num_mtp_modules,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_heads,
+            "n_shared_experts": self.n_shared_experts, "n_routed_experts": self.n_routed_experts,
+            "routed_scaling_factor": 1.0, "kv_lora_rank": self.kv_lora_rank, "q_lora_rank": self.q_lora_rank,
+            "qk_rope_head_dim": self.qk_rope_head_dim, "v_head_dim": self.v_head_dim,
+            "qk_nope_head_dim": self.qk_nope_head_dim, "topk_method": "noaux_tc", "n_group": self.n_group,
+            "topk_group": self.topk_group, "num_experts_per_tok": self.num_experts_per_tok, "moe_layer_freq": 1,
+            "first_k_dense_replace": self.first_k_dense_replace, "norm_topk_prob": True, "scoring_func": "sigmoid",
+            "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
+            "initializer_range": 0.02, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_interleave": True,
+            "rope_scaling": None, "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+            "use_cache": True, "bos_token_id": bos, "eos_token_id": eos, "torch_dtype": self.ship_dtype,
+        }
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+RECIPES = {
+    "tiny-r1": Recipe(name="tiny-r1"),
+    # a seconds-long smoke recipe used by the tests (never the shipped model)
+    "smoke": Recipe(name="smoke", vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, q_lora_rank=16,
+                    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, intermediate_size=64,
+                    moe_intermediate_size=16, seq_len=64, batch_size=2, steps=4, warmup_steps=1, save_every=2,
+                    tokenizer_examples=200, num_threads=1, max_position_embeddings=256),
+}

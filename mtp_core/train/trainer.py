@@ -1,0 +1,186 @@
+"""`mtp train`: a DeepSeek-V3-architecture model trained jointly with its MTP modules, on CPU or GPU.
+
+Reproducible from the recipe's seed: the batch of step s is generated from (seed, s), so a run resumed
+from its last saved state continues exactly where it stopped. State is saved with safetensors only
+(weights and AdamW moments) plus a JSON file.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from mtp_core.config import ModelConfig
+from mtp_core.model import DeepseekV3ForCausalLM
+from mtp_core.model.moe import MoE
+from mtp_core.tiny import init_weights
+from mtp_core.train.mtp_objective import mtp_losses
+from mtp_core.train.recipes import Recipe
+
+log = logging.getLogger("mtp.train")
+
+
+def build_tokenizer(recipe: Recipe, out_dir: Path):
+    from mtp_core.data.dataset import training_texts
+    from mtp_core.tokenizer_build import train_bpe_tokenizer, write_tokenizer_files
+
+    texts = list(training_texts(seed=recipe.seed + 7919, num_examples=recipe.tokenizer_examples,
+                                general_fraction=recipe.general_fraction))
+    tok = train_bpe_tokenizer(texts, recipe.vocab_size)
+    write_tokenizer_files(out_dir, tok, recipe.max_position_embeddings)
+    return tok
+
+
+def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
+    """[B, S] token ids of step `step`: examples packed back to back, a pure function of (seed, step)."""
+    from mtp_core.data.dataset import training_texts
+
+    need = recipe.batch_size * recipe.seq_len
+    ids: list[int] = []
+    stream = training_texts(seed=recipe.seed * 1_000_003 + step, num_examples=10**6,
+                            general_fraction=recipe.general_fraction)
+    while len(ids) < need:
+        chunk = list(itertools.islice(stream, 16))
+        for enc in tok.encode_batch(chunk, add_special_tokens=False):
+            ids.extend(enc.ids)
+    return torch.tensor(ids[:need], dtype=torch.long).view(recipe.batch_size, recipe.seq_len)
+
+
+def lr_at(recipe: Recipe, step: int) -> float:
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    t = (step - recipe.warmup_steps) / max(recipe.steps - recipe.warmup_steps, 1)
+    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def balance_experts(model: DeepseekV3ForCausalLM, speed: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: nudge each expert's selection bias toward equal load."""
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, MoE) and getattr(m, "load_counts", None) is not None:
+                load = m.load_counts.float()
+                m.gate.e_score_correction_bias += speed * torch.sign(load.mean() - load)
+                m.load_counts = None
+
+
+def _save_state(state_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, history: list) -> None:
+    tmp = state_dir.with_name(state_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    moments = {}
+    for p, st in opt.state.items():
+        n = names[id(p)]
+        moments[f"{n}.exp_avg"] = st["exp_avg"].contiguous()
+        moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
+        moments[f"{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+    save_file(moments, str(tmp / "optimizer.safetensors"))
+    (tmp / "state.json").write_text(json.dumps({"step": step, "history": history}))
+    shutil.rmtree(state_dir, ignore_errors=True)
+    tmp.rename(state_dir)
+
+
+def _load_state(state_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list]:
+    model.load_state_dict(load_file(str(state_dir / "model.safetensors")))
+    moments = load_file(str(state_dir / "optimizer.safetensors"))
+    for n, p in model.named_parameters():
+        if f"{n}.exp_avg" in moments:
+            opt.state[p] = {"step": moments[f"{n}.step"][0].clone(), "exp_avg": moments[f"{n}.exp_avg"],
+                            "exp_avg_sq": moments[f"{n}.exp_avg_sq"]}
+    st = json.loads((state_dir / "state.json").read_text())
+    return int(st["step"]), list(st["history"])
+
+
+def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device: str = "cpu",
+          echo: Callable[[str], None] = print) -> Path:
+    """Trains (or resumes) into out_dir/state; exports the checkpoint to out_dir/model when done."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    torch.set_num_threads(recipe.num_threads)
+    torch.set_flush_denormal(True)   # denormal gradients are very slow on CPUs
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok_dir = out_dir / "tokenizer"
+    if not (tok_dir / "tokenizer.json").is_file():
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        build_tokenizer(recipe, tok_dir)
+    tok = HFTokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    bos, eos = tok.token_to_id("<｜begin▁of▁sentence｜>"), tok.token_to_id("<｜end▁of▁sentence｜>")
+    cfg_dict = recipe.model_config(tok.get_vocab_size(), bos, eos)
+    (out_dir / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2))
+    torch.manual_seed(recipe.seed)
+    model = DeepseekV3ForCausalLM(ModelConfig.from_dict(cfg_dict)).to(device)
+    init_weights(model, recipe.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "gate.weight" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "gate.weight" not in n)]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
+    state_dir = out_dir / "state"
+    step, history = (_load_state(state_dir, model, opt) if (state_dir / "state.json").is_file() else (0, []))
+    if step:
+        echo(f"resuming {recipe.name} from step {step}")
+    last = min(recipe.steps, max_steps if max_steps is not None else recipe.steps)
+    model.train()
+    t0, tokens = time.perf_counter(), 0
+    while step < last:
+        ids = batch_for_step(tok, recipe, step).to(device)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(recipe, step)
+        h = model.forward_dense(ids)
+        logits = model.lm_head(h[:, :-1]).float()
+        main_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        v_losses, e_losses, v_acc, e_acc = mtp_losses(model, ids, h, recipe.num_mtp_modules, recipe.eagle_depth)
+        loss = main_loss + recipe.mtp_lambda * torch.stack(v_losses).mean()
+        if e_losses:
+            loss = loss + recipe.mtp_lambda * torch.stack(e_losses).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        balance_experts(model, recipe.bias_update_speed)
+        step += 1
+        tokens += ids.numel()
+        rec = {"step": step, "loss": loss.item(), "main_loss": main_loss.item(),
+               "mtp_loss": [x.item() for x in v_losses], "eagle_loss": [x.item() for x in e_losses],
+               "mtp_acc": v_acc, "eagle_acc": e_acc, "lr": lr_at(recipe, step - 1),
+               "tokens_per_s": tokens / (time.perf_counter() - t0)}
+        history.append(rec)
+        if step % 10 == 0 or step == last:
+            echo(f"step {step}/{recipe.steps} loss {rec['loss']:.3f} main {rec['main_loss']:.3f} "
+                 f"mtp acc {[round(a, 3) for a in v_acc]} eagle acc {[round(a, 3) for a in e_acc]} "
+                 f"{rec['tokens_per_s']:.0f} tok/s")
+        if step % recipe.save_every == 0 or step == last:
+            _save_state(state_dir, model, opt, step, history)
+    if step >= recipe.steps:
+        export(model, cfg_dict, tok_dir, out_dir / "model", recipe)
+        echo(f"exported {out_dir / 'model'}")
+    return out_dir / "model"
+
+
+def export(model: DeepseekV3ForCausalLM, cfg_dict: dict, tok_dir: Path, dest: Path, recipe: Recipe) -> None:
+    """Hugging Face layout: config.json, model.safetensors (ship dtype), tokenizer files, generation config."""
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dtype = getattr(torch, recipe.ship_dtype)
+    state = {k: (v.to(torch.float32) if ("gate.weight" in k and v.dim() == 2 and ".mlp.gate." in k)
+                 or k.endswith("e_score_correction_bias") else v.to(dtype)).contiguous()
+             for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
+    for f in tok_dir.iterdir():
+        shutil.copy(f, tmp / f.name)
+    (tmp / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg_dict["bos_token_id"], "eos_token_id": cfg_dict["eos_token_id"], "do_sample": False},
+        indent=2))
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
