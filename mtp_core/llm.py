@@ -74,6 +74,8 @@ class LLM:
         """Runs every prompt to completion with in-flight batching; outputs in prompt order."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
         ids = [self.encode_prompt(p, apply_chat_template) for p in prompts]
         seqs = [self.engine.add_request(i, replace(p)) for i, p in zip(ids, params)]
         index = {s.request_id: n for n, s in enumerate(seqs)}

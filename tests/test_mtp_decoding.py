@@ -443,9 +443,6 @@ def test_relaxed_without_think_tokens_is_refused(tiny1_model, tiny1_dir, tmp_pat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="BUG: Engine.add_request seeds a CPU torch.Generator; torch.multinomial on CUDA "
-                          "probabilities rejects a CPU generator")
 def test_seeded_sampling_on_cuda(tiny1_dir):
     from mtp_core.loader import load_model
     model = load_model(tiny1_dir, "float32", "cuda")[0]

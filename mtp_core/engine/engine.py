@@ -92,7 +92,7 @@ class Engine:
                              f"{self.pool_tokens}; raise kv_cache_config.max_tokens or --kv_cache_fraction")
         seq = Sequence(list(prompt_ids), params, arrival_time=time.perf_counter())
         if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed + seq.request_id * 0)
+            seq.generator = torch.Generator(device=self.cfg.device).manual_seed(params.seed)
         if self.think_ids is not None:
             start, end = self.think_ids
             last = max((i for i, t in enumerate(prompt_ids) if t in (start, end)), default=-1)
@@ -112,6 +112,9 @@ class Engine:
         t0 = time.perf_counter()
         rows = self.scheduler.schedule()
         if not rows:
+            if self.scheduler.running or self.scheduler.waiting:
+                raise RuntimeError("the scheduler could not place any request in a step (KV pool or token budget "
+                                   "too small); raise kv_cache_config.max_tokens or --max_num_tokens")
             return []
         try:
             out = self.runner.execute(rows)

@@ -80,7 +80,9 @@ class Scheduler:
             n = min(remaining, budget) if self.chunked else remaining
             final = (seq.num_prefilled if admitted else 0) + n == (seq.prefill_target if admitted else remaining)
             end = (seq.num_prefilled if admitted else 0) + n + (self.overshoot() if final else 0)
-            if n <= 0 or n > budget or not self.blocks.can_reserve(seq.block_table, end):
+            # without chunking a prefill longer than the budget still runs when it is alone in the step
+            over_budget = n > budget and not (not self.chunked and not rows)
+            if n <= 0 or over_budget or not self.blocks.can_reserve(seq.block_table, end):
                 if not admitted:
                     deferred.append(seq)
                 continue
@@ -99,8 +101,12 @@ class Scheduler:
         while not self.blocks.can_reserve(seq.block_table, end):
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1:
-                raise MemoryError(f"the KV cache pool ({self.blocks.num_blocks * self.blocks.tokens_per_block} "
-                                  f"tokens) cannot hold request {seq.request_id} at {end} tokens")
+                log.warning("request %d needs %d KV slots but the whole pool holds %d; finishing it (length); "
+                            "raise kv_cache_config.max_tokens", seq.request_id, end,
+                            self.blocks.num_blocks * self.blocks.tokens_per_block)
+                seq.finish_reason = "length"
+                self.finish(seq)
+                return False
             self.preempt(victim)
             if victim is seq:
                 return False
@@ -126,6 +132,8 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def abort(self, seq: Sequence) -> None:
+        if seq.is_finished:
+            return
         if seq in self.waiting:
             self.waiting.remove(seq)
         seq.finish_reason = "abort"
