@@ -159,7 +159,7 @@ def test_request_outgrowing_the_whole_pool(tiny1_model, tiny1_dir, make_llm):
     llm = make_llm(tiny1_dir, max_tokens_kv=24, tokens_per_block=4)
     out = llm.generate([PROMPTS[4]], greedy(40))[0]                      # fits at first, not at the end
     assert out.finish_reason == "length" and 0 < len(out.token_ids) < 40
-    assert len(PROMPTS[4]) + len(out.token_ids) <= 24
+    assert len(PROMPTS[4]) + len(out.token_ids) <= 24 + 1   # the newest token needs no KV slot yet
     assert_pool_clean(llm.engine)
 
 
