@@ -23,10 +23,19 @@ app.command("train", help="Train the shipped model's recipe (DeepSeek-V3 archite
 try:  # commands added by later issues register themselves only when their module is present
     from cli.quantize import quantize_command
     app.command("quantize", help="Write FP8-block or NVFP4 checkpoints from a bf16/fp32 one.")(quantize_command)
+    from cli.bench import bench_command
+    from cli.prepare_dataset import prepare_dataset_command
+    from cli.sweep import sweep_command
+    app.command("bench", help="Benchmark with a dataset (mirror of trtllm-bench; --concurrency 1 = min latency).")(
+        bench_command)
+    app.command("prepare-dataset", help="Write a benchmark dataset (held-out task prompts, text or synthetic).")(
+        prepare_dataset_command)
+    app.command("sweep", help="nextn 0..5 x Eagle/Vanilla + relaxed acceptance in one process; table and plot.")(
+        sweep_command)
 except ImportError:  # pragma: no cover
     pass
 
-NARGS_PLUS = {"--prompt"}  # TensorRT-LLM takes `--prompt a b c`; click wants `--prompt a --prompt b`
+NARGS_PLUS = {"--prompt", "--cuda_graph_batch_sizes"}  # TensorRT-LLM takes `--prompt a b c`; click wants `--prompt a --prompt b`
 
 
 def expand_nargs(argv: list[str]) -> list[str]:

@@ -1,19 +1,24 @@
 """`mtp quickstart`: TensorRT-LLM's quickstart_advanced.py, flag for flag.
 
 stdout carries only the result lines `[i] Prompt: '...', Generated text: '...'`; logs, progress and the
-speculative statistics go to stderr. Exit codes: 0 ok, 2 usage/config error, 1 runtime error, 130 Ctrl-C.
+speculative statistics go to stderr. Exit codes: 0 ok, 2 usage/config error, 1 runtime error, 130 Ctrl-C
+(the results finished before it are printed first), 141 stdout closed early.
 """
 from __future__ import annotations
 
 import logging
 import sys
+from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-import click
 import typer
 
-from cli.common import DEFAULT_MODEL_DIR, fail, setup_logging
+from cli.common import (EXIT_INTERRUPT, Progress, build_llm_config, install_one_line_usage_errors, run_or_exit,
+                        setup_logging, write_lines)
+
+install_one_line_usage_errors()
+log = logging.getLogger("mtp.cli")
 
 DEFAULT_PROMPTS = [
     "What is 347 + 285?",
@@ -22,8 +27,44 @@ DEFAULT_PROMPTS = [
 ]
 
 
+class LogLevel(str, Enum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+class MtpMode(str, Enum):
+    auto = "auto"
+    eagle = "eagle"
+    vanilla = "vanilla"
+
+
+class Dtype(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class KvCacheDtype(str, Enum):
+    auto = "auto"
+    fp8 = "fp8"
+
+
+class MoeBackend(str, Enum):
+    auto = "auto"
+    VANILLA = "VANILLA"
+    CUTLASS = "CUTLASS"
+    TRTLLM = "TRTLLM"
+    WIDEEP = "WIDEEP"
+    CUTEDSL = "CUTEDSL"
+    DEEPGEMM = "DEEPGEMM"
+    TRITON = "TRITON"
+
+
 def read_prompts(prompt: Optional[list[str]]) -> list[str]:
-    """--prompt values; `-` (or no --prompt with piped stdin) reads one prompt per line."""
+    """--prompt values; `-` (or no --prompt with piped stdin) reads one prompt per line, skipping blank ones."""
     if prompt and prompt != ["-"]:
         if "-" in prompt:
             raise ValueError("--prompt - (stdin) cannot be mixed with literal prompts")
@@ -38,67 +79,120 @@ def read_prompts(prompt: Optional[list[str]]) -> list[str]:
     return list(DEFAULT_PROMPTS)
 
 
+def result_line(i: int, prompt: str, text: str) -> str:
+    return f"[{i}] Prompt: {prompt!r}, Generated text: {text!r}"
+
+
+def _plain(v: Any) -> Any:
+    return v.value if isinstance(v, Enum) else v
+
+
 def quickstart_command(
     ctx: typer.Context,
-    model_dir: Optional[Path] = typer.Option(None, "--model_dir", help="Checkpoint directory (default: the shipped model)."),
+    model_dir: Optional[Path] = typer.Option(None, "--model_dir",
+                                             help="Checkpoint directory (default: the shipped model)."),
     prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="Prompt(s); `-` reads one per line from stdin."),
     max_tokens: int = typer.Option(64, "--max_tokens", help="Tokens to generate per prompt."),
-    max_batch_size: int = typer.Option(8, "--max_batch_size", help="Most requests in one engine step."),
+    max_batch_size: int = typer.Option(8, "--max_batch_size",
+                                       help="Most requests in one engine step (TensorRT-LLM: 2048; the CPU KV "
+                                            "pool is capped at max_batch_size x max_seq_len)."),
     max_num_tokens: int = typer.Option(8192, "--max_num_tokens", help="Most tokens in one engine step."),
-    max_seq_len: Optional[int] = typer.Option(None, "--max_seq_len", help="Longest prompt + output (default: the model's)."),
-    spec_decode_algo: Optional[str] = typer.Option(None, "--spec_decode_algo", help="Speculative decoding: MTP (absent = none)."),
+    max_seq_len: Optional[int] = typer.Option(None, "--max_seq_len",
+                                              help="Longest prompt + output (default: the model's)."),
+    spec_decode_algo: Optional[str] = typer.Option(None, "--spec_decode_algo",
+                                                   help="Speculative decoding: MTP, case-insensitive (absent = none)."),
     spec_decode_max_draft_len: int = typer.Option(1, "--spec_decode_max_draft_len", "--spec_decode_nextn",
                                                   help="Draft tokens per step, K (nextn)."),
     use_relaxed_acceptance_for_thinking: bool = typer.Option(False, "--use_relaxed_acceptance_for_thinking",
                                                              help="Relaxed acceptance inside <think>...</think>."),
     relaxed_topk: int = typer.Option(1, "--relaxed_topk", help="Relaxed acceptance: candidates from the top-k."),
-    relaxed_delta: float = typer.Option(0.0, "--relaxed_delta", help="Relaxed acceptance: probability margin to top-1."),
+    relaxed_delta: float = typer.Option(0.0, "--relaxed_delta",
+                                        help="Relaxed acceptance: probability margin to top-1."),
     use_mtp_vanilla: bool = typer.Option(False, "--use_mtp_vanilla", help="MTP Vanilla (K distinct modules)."),
-    mtp_mode: str = typer.Option("auto", "--mtp_mode", help="auto | eagle | vanilla."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    mtp_mode: MtpMode = typer.Option(MtpMode.auto, "--mtp_mode", case_sensitive=False,
+                                     help="auto: one MTP module -> eagle, more -> vanilla."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (TensorRT-LLM: unset = greedy)."),
     top_k: int = typer.Option(0, "--top_k", help="Sample from the top-k tokens (0 = off)."),
-    top_p: float = typer.Option(1.0, "--top_p", help="Nucleus sampling mass."),
+    top_p: float = typer.Option(1.0, "--top_p", help="Nucleus sampling mass (1 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 (auto = float32 on CPU)."),
-    tp_size: int = typer.Option(1, "--tp_size", help="Tensor-parallel size (torchrun)."),
-    moe_ep_size: int = typer.Option(1, "--moe_ep_size", help="Expert-parallel size (torchrun)."),
-    kv_cache_fraction: float = typer.Option(0.9, "--kv_cache_fraction", help="Share of free memory for the KV cache."),
-    kv_cache_dtype: str = typer.Option("auto", "--kv_cache_dtype", help="auto | fp8 (fp8 needs a GPU)."),
-    use_cuda_graph: bool = typer.Option(False, "--use_cuda_graph", help="Capture decode steps in CUDA graphs (GPU)."),
-    disable_overlap_scheduler: bool = typer.Option(False, "--disable_overlap_scheduler", help="Turn the overlap scheduler off."),
-    enable_chunked_prefill: bool = typer.Option(False, "--enable_chunked_prefill", help="Split long prompts over steps."),
+    dtype: Dtype = typer.Option(Dtype.auto, "--dtype", case_sensitive=False, help="auto = float32 on CPU."),
+    num_threads: Optional[int] = typer.Option(None, "--num_threads", help="CPU threads (default: torch's choice)."),
+    tp_size: int = typer.Option(1, "--tp_size", help="Tensor-parallel size (not implemented yet: 1)."),
+    moe_ep_size: int = typer.Option(-1, "--moe_ep_size", help="Expert-parallel size; -1 = auto (1 here)."),
+    moe_backend: MoeBackend = typer.Option(MoeBackend.auto, "--moe_backend", case_sensitive=False,
+                                           help="MoE kernels; GPU backends fall back to PyTorch on a CPU."),
+    kv_cache_fraction: float = typer.Option(0.9, "--kv_cache_fraction",
+                                            help="Share of free memory for the KV cache, in (0, 1]."),
+    kv_cache_dtype: KvCacheDtype = typer.Option(KvCacheDtype.auto, "--kv_cache_dtype", case_sensitive=False,
+                                                help="auto = the model dtype; fp8 needs an NVIDIA GPU."),
+    disable_kv_cache_reuse: bool = typer.Option(False, "--disable_kv_cache_reuse",
+                                                help="Accepted; KV blocks are never reused across requests here."),
+    use_cuda_graph: bool = typer.Option(False, "--use_cuda_graph", help="CUDA graphs for decode steps (GPU; "
+                                                                        "eager with a warning on CPU)."),
+    cuda_graph_batch_sizes: Optional[list[int]] = typer.Option(None, "--cuda_graph_batch_sizes",
+                                                               help="Batch sizes to capture (repeat the flag)."),
+    cuda_graph_padding_enabled: bool = typer.Option(False, "--cuda_graph_padding_enabled",
+                                                    help="Pad a batch up to the next captured size."),
+    disable_overlap_scheduler: bool = typer.Option(
+        False, "--disable_overlap_scheduler",
+        help="Turn the overlap scheduler off (it prepares the next step while MTP drafts)."),
+    enable_chunked_prefill: bool = typer.Option(False, "--enable_chunked_prefill",
+                                                help="Split long prompts over steps."),
     print_iter_log: bool = typer.Option(False, "--print_iter_log", help="One stderr line per engine step."),
     keep_quantized: bool = typer.Option(False, "--keep_quantized",
                                         help="Keep FP8/NVFP4 weights packed and dequantize per layer (less memory)."),
     apply_chat_template: bool = typer.Option(False, "--apply_chat_template", help="Wrap prompts in the chat template."),
-    extra_llm_api_options: Optional[Path] = typer.Option(None, "--extra_llm_api_options", "--config",
-                                                         help="TensorRT-LLM LLM-API YAML file."),
-    log_level: str = typer.Option("warning", "--log_level", help="debug | info | warning | error."),
+    trust_remote_code: bool = typer.Option(False, "--trust_remote_code",
+                                           help="Accepted and ignored: no code from the model directory is ever run."),
+    extra_llm_api_options: Optional[Path] = typer.Option(
+        None, "--extra_llm_api_options", "--config", help="TensorRT-LLM LLM-API YAML file; its values win over flags."),
+    log_level: LogLevel = typer.Option(LogLevel.warning, "--log_level", case_sensitive=False,
+                                       help="Logging on stderr."),
 ) -> None:
-    setup_logging(log_level)
-    from cli.common import build_llm_config, run_or_exit
+    setup_logging(log_level.value)
+    params = {k: _plain(v) for k, v in ctx.params.items()}
+    explicit = {name: params[name] for name in params
+                if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+    run_or_exit(lambda: _run(params, explicit))
 
-    def run() -> None:
-        from mtp_core import LLM, SamplingParams
 
-        explicit = {p.name: v for p, v in ((p, ctx.params[p.name]) for p in ctx.command.params)
-                    if ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE}
-        cfg = build_llm_config(ctx.params, explicit)
-        prompts = read_prompts(prompt)
-        if max_tokens < 1:
-            raise ValueError(f"--max_tokens must be >= 1, got {max_tokens}")
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        params.validate()
-        llm = LLM(cfg, iter_log=(lambda s: print(s, file=sys.stderr)) if cfg.print_iter_log else None)
-        for p in prompts:
-            if not p.strip():
-                raise ValueError("a prompt is empty; give non-empty text")
-        chat = apply_chat_template or model_dir is None
-        outputs = llm.generate(prompts, params, apply_chat_template=chat)
-        for i, out in enumerate(outputs):
-            print(f"[{i}] Prompt: {prompts[i]!r}, Generated text: {out.text!r}", flush=True)
-        if cfg.speculative_config is not None:
-            for line in llm.engine.stats.summary_lines():
-                print(line, file=sys.stderr)
+def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
+    from mtp_core import LLM, SamplingParams
 
-    run_or_exit(run)
+    if p["trust_remote_code"]:
+        log.warning("--trust_remote_code is ignored: mtp never runs code from the model directory")
+    cfg = build_llm_config(p, explicit)
+    if p["max_tokens"] < 1:
+        raise ValueError(f"--max_tokens must be >= 1, got {p['max_tokens']}")
+    sampling = SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_k=p["top_k"],
+                              top_p=p["top_p"], seed=p["seed"])
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
+    prompts = read_prompts(p["prompt"])
+    for i, text in enumerate(prompts):
+        if not text.strip():
+            raise ValueError(f"prompt [{i}] is empty; give non-empty text")
+    chat = p["apply_chat_template"] or p["model_dir"] is None
+    finished: dict[int, str] = {}
+    with Progress() as bar:
+        def on_finish(i: int, out: Any) -> None:
+            finished[i] = out.text
+            bar.update("generating", len(finished), len(prompts))
+
+        iter_log = (lambda s: print(s, file=sys.stderr)) if cfg.print_iter_log else None
+        llm = LLM(cfg, load_progress=bar.load, iter_log=iter_log)
+        bar.update("generating", 0, len(prompts))
+        try:
+            outputs = llm.generate(prompts, sampling, apply_chat_template=chat, on_finish=on_finish)
+        except KeyboardInterrupt:
+            bar.stop()
+            write_lines(result_line(i, prompts[i], finished[i]) for i in sorted(finished))
+            print(f"interrupted: {len(finished)} of {len(prompts)} prompts had finished (printed above)",
+                  file=sys.stderr)
+            raise typer.Exit(EXIT_INTERRUPT) from None
+    write_lines(result_line(i, text, out.text) for i, (text, out) in enumerate(zip(prompts, outputs)))
+    if cfg.speculative_config is not None:
+        for line in llm.engine.stats.summary_lines():
+            print(line, file=sys.stderr)

@@ -76,8 +76,14 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
-        ids = [self.encode_prompt(p, apply_chat_template) for p in prompts]
-        seqs = [self.engine.add_request(i, replace(p)) for i, p in zip(ids, params)]
+        seqs = []
+        for n, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                seqs.append(self.engine.add_request(self.encode_prompt(prompt, apply_chat_template), replace(p)))
+            except ValueError as e:
+                for s in seqs:
+                    self.engine.abort(s)
+                raise ValueError(f"prompt [{n}]: {e}") from None
         index = {s.request_id: n for n, s in enumerate(seqs)}
         try:
             while self.engine.has_unfinished():

@@ -246,8 +246,8 @@ def test_abort_after_finish_is_a_no_op(tiny1_model):
 @given(K=st.integers(1, 3), tpb=st.sampled_from([1, 2, 4]), batch=st.integers(1, 4),
        pattern=st.lists(st.integers(0, 3), min_size=1, max_size=6),
        lengths=st.lists(st.integers(1, 12), min_size=1, max_size=4),
-       chunked=st.booleans())
-def test_engine_random_acceptance_patterns(tiny1_model, K, tpb, batch, pattern, lengths, chunked):
+       chunked=st.booleans(), overlap=st.booleans())
+def test_engine_random_acceptance_patterns(tiny1_model, K, tpb, batch, pattern, lengths, chunked, overlap):
     model = tiny1_model
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(lengths))]
     step_of: dict[int, int] = {}
@@ -259,7 +259,8 @@ def test_engine_random_acceptance_patterns(tiny1_model, K, tpb, batch, pattern, 
 
     oracle = OracleDrafter(K, model.config.vocab_size, num_right)
     eng = make_engine(model, nextn=K, mode="eagle", drafter=oracle, tokens_per_block=tpb, max_batch_size=batch,
-                      max_tokens_kv=160, enable_chunked_prefill=chunked, max_num_tokens=8 if chunked else 8192)
+                      max_tokens_kv=160, enable_chunked_prefill=chunked, max_num_tokens=8 if chunked else 8192,
+                      disable_overlap_scheduler=not overlap)
     seqs = []
     for p, n in zip(prompts, lengths):
         s = eng.add_request(p, greedy(n))
@@ -268,8 +269,11 @@ def test_engine_random_acceptance_patterns(tiny1_model, K, tpb, batch, pattern, 
     while eng.has_unfinished():
         eng.step()
         for s in seqs:
-            if not s.is_finished:
+            if not s.is_finished and not overlap:
                 assert len(s.block_table) == eng.blocks.blocks_for(s.num_cached)
+            elif not s.is_finished:   # the overlap scheduler may already hold the next step's reservation
+                need = max(s.num_cached + 2 * K, s.num_prefilled + (8 if chunked else len(s.all_ids)) + K)
+                assert eng.blocks.blocks_for(s.num_cached) <= len(s.block_table) <= eng.blocks.blocks_for(need)
         held = sum(len(s.block_table) for s in seqs)
         assert held + eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert [s.output_ids for s in seqs] == [reference(model, p, 20)[:n] for p, n in zip(prompts, lengths)]

@@ -6,18 +6,27 @@
     inputs = commit(rows, result, out)   # append tokens, stop checks, statistics, new valid lengths
     drafts = drafter.propose(inputs)     # K MTP forwards per row -> next drafts
     rewind(rows, drafts)                 # store drafts, drop KV of rejected drafts, free finished
+
+Overlap scheduler (default; --disable_overlap_scheduler turns it off): once step N is committed, the
+next step's schedule and attention metadata (positions, slots, block tables: everything but the draft
+token ids) are prepared on a worker thread while step N's K MTP forwards run; the drafts are filled in
+afterwards. Continuing sequences then keep their reserved tail blocks (the next step needs them again)
+instead of rewinding them; every block still returns to the pool on finish, abort or preemption. The
+computation itself is unchanged, so outputs are identical either way.
 """
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
 
 from mtp_core.config import LLMConfig
 from mtp_core.engine.model_runner import ModelRunner, TargetOutput
-from mtp_core.engine.scheduler import ScheduledRow, Scheduler
+from mtp_core.model import AttentionMetadata
+from mtp_core.engine.scheduler import PreemptionNeeded, ScheduledRow, Scheduler
 from mtp_core.engine.sequence import Sequence
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, plan_num_blocks
@@ -64,6 +73,9 @@ class Engine:
         self.stats = SpecStats()
         self.iter_log = iter_log
         self.num_steps = 0
+        self.overlap = not cfg.disable_overlap_scheduler and self.drafter is not None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
+        self._prepared: Optional[tuple[list[ScheduledRow], AttentionMetadata]] = None
 
     def _make_drafter(self) -> Optional[Drafter]:
         spec = self.cfg.speculative_config
@@ -100,9 +112,6 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, seq: Sequence) -> None:
-        self.scheduler.abort(seq)
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -110,20 +119,33 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Runs one engine step; returns the sequences that made progress (finished ones included)."""
         t0 = time.perf_counter()
-        rows = self.scheduler.schedule()
+        rows, meta = self._prepared if self._prepared is not None else self._prepare()
+        self._prepared = None
         if not rows:
             if self.scheduler.running or self.scheduler.waiting:
                 raise RuntimeError("the scheduler could not place any request in a step (KV pool or token budget "
                                    "too small); raise kv_cache_config.max_tokens or --max_num_tokens")
             return []
         try:
-            out = self.runner.execute(rows)
+            out = self.runner.execute(rows, meta)
             result = self._verify(rows, out)
             inputs = self._commit(rows, result, out)
-            drafts = self.drafter.propose(inputs) if self.drafter else [[] for _ in inputs]
-            self._rewind(inputs, drafts)
+            if self.overlap and any(i.needs_drafts for i in inputs):
+                future = self._executor.submit(self._prepare_ahead)   # step N+1's host work ...
+                try:
+                    drafts = self.drafter.propose(inputs)             # ... while step N's drafts compute
+                finally:
+                    self._prepared = future.result()
+                self._store_drafts(inputs, drafts, rewind=self._prepared is None)
+                for row in self._prepared[0] if self._prepared else []:
+                    if not row.is_prefill:
+                        row.token_ids = [row.seq.all_ids[-1], *row.seq.drafts]
+            else:
+                drafts = self.drafter.propose(inputs) if self.drafter else [[] for _ in inputs]
+                self._store_drafts(inputs, drafts, rewind=True)
         except BaseException:
             # leave no half-done step behind: every sequence of this step is finished with "abort"
+            self._prepared = None
             for r in rows:
                 if not r.seq.is_finished:
                     r.seq.finish_reason = "abort"
@@ -136,6 +158,19 @@ class Engine:
             self.iter_log(f"iter {self.num_steps}: batch {len(rows)} ({sum(r.is_prefill for r in rows)} prefill), "
                           f"tokens {ntok}, accepted drafts {acc}, step {1e3 * (time.perf_counter() - t0):.2f} ms")
         return [r.seq for r in rows]
+
+    def _prepare(self) -> tuple[list[ScheduledRow], Optional[AttentionMetadata]]:
+        rows = self.scheduler.schedule()
+        return rows, (self.runner.prepare(rows) if rows else None)
+
+    def _prepare_ahead(self) -> Optional[tuple[list[ScheduledRow], Optional[AttentionMetadata]]]:
+        """The overlap worker's schedule: never preempts a sequence that is being drafted right now (the
+        step is then scheduled normally once drafting is done)."""
+        try:
+            rows = self.scheduler.schedule(allow_preempt=False)
+        except PreemptionNeeded:
+            return None
+        return rows, (self.runner.prepare(rows) if rows else None)
 
     def _verify(self, rows: list[ScheduledRow], out: TargetOutput) -> VerifyResult:
         tokens: list[list[int]] = [[] for _ in rows]
@@ -201,7 +236,13 @@ class Engine:
             self.scheduler.finish(seq)
         return n
 
-    def _rewind(self, inputs: list[DraftInput], drafts: list[list[int]]) -> None:
+    def _store_drafts(self, inputs: list[DraftInput], drafts: list[list[int]], rewind: bool) -> None:
+        """Keep each row's drafts for the next step; rewind drops the KV blocks past the valid length."""
         for inp, d in zip(inputs, drafts):
             inp.seq.drafts = d
-            self.blocks.rewind(inp.seq.block_table, inp.seq.num_cached)
+            if rewind and not inp.seq.is_finished and inp.seq in self.scheduler.running:
+                self.blocks.rewind(inp.seq.block_table, inp.seq.num_cached)
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+        self._prepared = None   # a prepared step may hold the aborted sequence

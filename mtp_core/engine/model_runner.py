@@ -20,11 +20,15 @@ class ModelRunner:
                  device: str) -> None:
         self.model, self.caches, self.tokens_per_block, self.device = model, caches, tokens_per_block, device
 
-    @torch.inference_mode()
-    def execute(self, rows: list[ScheduledRow]) -> TargetOutput:
+    def prepare(self, rows: list[ScheduledRow]) -> AttentionMetadata:
+        """Host-side inputs of a step: positions, slots, padded index maps (no token ids needed)."""
         positions = [list(range(r.start, r.start + len(r.token_ids))) for r in rows]
-        meta = AttentionMetadata.build(positions, [r.seq.block_table for r in rows], self.tokens_per_block,
+        return AttentionMetadata.build(positions, [r.seq.block_table for r in rows], self.tokens_per_block,
                                        use_absorbed=not any(r.is_prefill for r in rows), device=self.device)
+
+    @torch.inference_mode()
+    def execute(self, rows: list[ScheduledRow], meta: AttentionMetadata | None = None) -> TargetOutput:
+        meta = meta if meta is not None else self.prepare(rows)
         ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(ids, meta, self.caches)                          # [T, H]
         per_row = list(hidden.split([len(r.token_ids) for r in rows]))

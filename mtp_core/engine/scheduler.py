@@ -19,6 +19,10 @@ from mtp_core.kv_cache.block_manager import BlockManager
 log = logging.getLogger("mtp.scheduler")
 
 
+class PreemptionNeeded(Exception):
+    """Raised by schedule(allow_preempt=False) when the step cannot be placed without preempting."""
+
+
 @dataclass
 class ScheduledRow:
     seq: Sequence
@@ -53,7 +57,9 @@ class Scheduler:
         return max(self.K - 1, 0)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self) -> list[ScheduledRow]:
+    def schedule(self, allow_preempt: bool = True) -> list[ScheduledRow]:
+        """allow_preempt=False (the overlap scheduler's worker, while sequences are being drafted) raises
+        PreemptionNeeded instead of freeing a running sequence's blocks."""
         rows: list[ScheduledRow] = []
         budget = self.max_num_tokens
         # decode rows first: they hold blocks already and are latency-critical
@@ -63,9 +69,13 @@ class Scheduler:
             if budget < self.K + 1:
                 break
             end = seq.num_cached + self.K + 1 + self.overshoot()
+            if not allow_preempt and not self.blocks.can_reserve(seq.block_table, end):
+                raise PreemptionNeeded()
             if not self._reserve_or_preempt(seq, end):
                 continue
-            rows.append(ScheduledRow(seq, False, [seq.all_ids[-1], *seq.drafts], seq.num_cached))
+            # under the overlap scheduler the drafts are filled in once they exist (always K of them)
+            drafts = seq.drafts if len(seq.drafts) == self.K else [0] * self.K
+            rows.append(ScheduledRow(seq, False, [seq.all_ids[-1], *drafts], seq.num_cached))
             budget -= self.K + 1
         # then prefill chunks of running sequences, then new admissions (FIFO)
         candidates = [s for s in self.running if s.is_prefilling]

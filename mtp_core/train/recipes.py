@@ -29,7 +29,7 @@ class Recipe:
     max_position_embeddings: int = 1024
     seq_len: int = 384
     batch_size: int = 12
-    steps: int = 1200
+    steps: int = 350
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 60

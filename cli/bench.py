@@ -1,0 +1,174 @@
+"""`mtp bench`: trtllm-bench for this engine. Min-latency mode = `--concurrency 1` (batch 1, EOS ignored).
+
+stdout: the report sections (engine, machine, requests, world, performance, decoding statistics,
+dataset); stderr: logs and a progress bar (hidden when stderr is not a terminal). `--report_json` writes
+the same numbers as JSON. Exit codes: 0 ok, 2 usage/config error, 1 runtime error, 130 Ctrl-C.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+import click
+import typer
+
+from cli.common import run_or_exit, setup_logging
+
+# engine flags shared with `mtp sweep` (the names of quickstart's flags)
+MODEL_DIR = typer.Option(None, "--model_dir", help="Checkpoint directory (default: the shipped model).")
+DTYPE = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 (auto = float32 on CPU).")
+MAX_NUM_TOKENS = typer.Option(8192, "--max_num_tokens", help="Most tokens in one engine step.")
+MAX_SEQ_LEN = typer.Option(None, "--max_seq_len", help="Longest prompt + output (default: the model's).")
+KV_FRACTION = typer.Option(0.9, "--kv_cache_fraction", help="Share of free memory for the KV cache.")
+EXTRA_OPTIONS = typer.Option(None, "--extra_llm_api_options", "--config", help="TensorRT-LLM LLM-API YAML file.")
+NUM_THREADS = typer.Option(None, "--num_threads", help="CPU threads for torch (default: torch's choice).")
+WARMUP = typer.Option(2, "--warmup", help="Requests run before measuring (not reported).")
+REPORT_JSON = typer.Option(None, "--report_json", help="Write the report as JSON to this file.")
+LOG_LEVEL = typer.Option("warning", "--log_level", help="debug | info | warning | error.")
+
+
+def explicit_flags(ctx: typer.Context) -> dict[str, Any]:
+    return {p.name: ctx.params[p.name] for p in ctx.command.params
+            if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"}
+
+
+def _plain(v: Any) -> Any:
+    return v.value if isinstance(v, Enum) else v
+
+
+def quickstart_defaults() -> dict[str, Any]:
+    """Every quickstart flag's default, so the shared config builder sees the flags bench lacks."""
+    from cli.quickstart import quickstart_command
+
+    out = {}
+    for name, prm in inspect.signature(quickstart_command).parameters.items():
+        d = getattr(prm.default, "default", prm.default)
+        if d is not inspect.Parameter.empty and d is not ...:
+            out[name] = _plain(d)
+    return out
+
+
+def llm_config(p: dict[str, Any], explicit: dict[str, Any], max_batch_size: int, spec_algo: Optional[str] = None):
+    """LLMConfig from bench/sweep flags via quickstart's builder (flags the command lacks take their defaults)."""
+    from cli.common import build_llm_config
+
+    full = quickstart_defaults()
+    full.update({k: _plain(v) for k, v in p.items() if k in full})
+    full.update(spec_decode_algo=spec_algo, max_batch_size=max_batch_size)
+    cfg = build_llm_config(full, explicit)
+    cfg.num_threads = p.get("num_threads")
+    return cfg
+
+
+def set_threads(num_threads: Optional[int]) -> None:
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ValueError(f"--num_threads must be >= 1, got {num_threads}")
+        import torch
+        torch.set_num_threads(num_threads)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def request_rows(records: list, tokenizer: Any) -> list[dict]:
+    return [{"task_id": r.task_id, "input_tokens": r.num_input_tokens, "output_tokens": r.num_output_tokens,
+             "ttft_ms": r.ttft_s * 1e3, "e2e_ms": r.e2e_s * 1e3,
+             "tpot_ms": None if r.tpot_s is None else r.tpot_s * 1e3, "decoding_steps": r.stats.num_steps,
+             "acceptance_length": r.stats.acceptance_length, "finish_reason": r.finish_reason,
+             "output": tokenizer.decode(r.output_ids)} for r in records]
+
+
+def bench_command(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(..., "--dataset", help="JSON lines: task_id, prompt or input_ids, output_tokens."),
+    model_dir: Optional[Path] = MODEL_DIR,
+    num_requests: int = typer.Option(0, "--num_requests", help="Use the first N requests (0 = all)."),
+    concurrency: int = typer.Option(1, "--concurrency", help="Requests in flight (1 = min-latency mode; -1 = all)."),
+    max_batch_size: Optional[int] = typer.Option(None, "--max_batch_size",
+                                                 help="Engine batch (default: concurrency, or 8)."),
+    max_num_tokens: int = MAX_NUM_TOKENS,
+    max_seq_len: Optional[int] = MAX_SEQ_LEN,
+    warmup: int = WARMUP,
+    ignore_eos: bool = typer.Option(True, "--ignore_eos/--no_ignore_eos",
+                                    help="Emit exactly output_tokens per request."),
+    streaming: bool = typer.Option(False, "--streaming",
+                                    help="Detokenize every step as a streaming client; report ITL."),
+    spec_decode_algo: Optional[str] = typer.Option(None, "--spec_decode_algo", help="MTP (absent = no speculation)."),
+    spec_decode_max_draft_len: int = typer.Option(1, "--spec_decode_max_draft_len", "--spec_decode_nextn",
+                                                  help="Draft tokens per step, K (nextn)."),
+    mtp_mode: str = typer.Option("auto", "--mtp_mode", help="auto | eagle | vanilla."),
+    use_mtp_vanilla: bool = typer.Option(False, "--use_mtp_vanilla", help="MTP Vanilla (K distinct modules)."),
+    use_relaxed_acceptance_for_thinking: bool = typer.Option(False, "--use_relaxed_acceptance_for_thinking",
+                                                             help="Relaxed acceptance inside <think>...</think>."),
+    relaxed_topk: int = typer.Option(1, "--relaxed_topk", help="Relaxed acceptance: candidates from the top-k."),
+    relaxed_delta: float = typer.Option(0.0, "--relaxed_delta", help="Relaxed acceptance: probability margin."),
+    dtype: str = DTYPE,
+    kv_cache_fraction: float = KV_FRACTION,
+    extra_llm_api_options: Optional[Path] = EXTRA_OPTIONS,
+    num_threads: Optional[int] = NUM_THREADS,
+    roofline: bool = typer.Option(False, "--roofline", help="Measure memory bandwidth; print the floor step time."),
+    bandwidth_mib: int = typer.Option(256, "--bandwidth_mib", help="Buffer size of the bandwidth measurement."),
+    report_json: Optional[Path] = REPORT_JSON,
+    request_json: Optional[Path] = typer.Option(None, "--request_json", help="Write per-request results here."),
+    log_level: str = LOG_LEVEL,
+) -> None:
+    setup_logging(log_level)
+
+    def run() -> None:
+        from mtp_core.bench.dataset import encode_request, load_dataset
+        from mtp_core.bench.metrics import decode_acceptance_length, decode_step_time_s
+        from mtp_core.bench.progress import request_progress
+        from mtp_core.bench.report import build_report, dataset_info, format_report
+        from mtp_core.bench.runner import run_requests
+        from mtp_core.llm import LLM
+
+        set_threads(num_threads)
+        for name, v in (("--num_requests", num_requests), ("--warmup", warmup)):
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        if concurrency == 0 or concurrency < -1:
+            raise ValueError(f"--concurrency must be >= 1 (or -1 for all at once), got {concurrency}")
+        requests = load_dataset(dataset)
+        in_file = len(requests)
+        requests = requests[:num_requests] if num_requests else requests
+        batch = max_batch_size if max_batch_size is not None else (concurrency if concurrency > 0 else 8)
+        cfg = llm_config(ctx.params, explicit_flags(ctx), batch, spec_decode_algo)
+        llm = LLM(cfg, iter_log=None)
+        prompts = [encode_request(llm.tokenizer, r) for r in requests]
+        outs = [r.output_tokens for r in requests]
+        if warmup:
+            idx = [i % len(prompts) for i in range(warmup)]
+            run_requests(llm.engine, [prompts[i] for i in idx], [outs[i] for i in idx], concurrency, ignore_eos)
+        with request_progress(len(prompts), "bench") as advance:
+            records = run_requests(llm.engine, prompts, outs, concurrency, ignore_eos,
+                                   task_ids=[r.task_id for r in requests], on_finish=advance,
+                                   stream_decoder=llm.tokenizer.stream_decoder if streaming else None)
+        ds = dataset_info(str(dataset), in_file, prompts, outs, [r.extra.get("task") for r in requests])
+        report = build_report(records, cfg, llm.model, concurrency, streaming, ds,
+                              {"warmup": warmup, "ignore_eos": ignore_eos})
+        if roofline:
+            from mtp_core.bench.roofline import measure_bandwidth, roofline as roof
+
+            if concurrency != 1:
+                print("warning: the roofline assumes batch 1; run it with --concurrency 1", file=sys.stderr)
+            spec = cfg.speculative_config
+            mode = "none" if spec is None else spec.resolved_mode(llm.model.num_mtp_modules)
+            ctx_len = ds["avg_isl"] + ds["avg_osl"] / 2
+            report["roofline"] = roof(llm.model, spec.max_draft_len if spec else 0, mode,
+                                      decode_acceptance_length(records), ctx_len,
+                                      measure_bandwidth(bandwidth_mib), decode_step_time_s(records))
+        print(format_report(report), flush=True)
+        if report_json is not None:
+            write_json(report_json, report)
+        if request_json is not None:
+            write_json(request_json, request_rows(records, llm.tokenizer))
+
+    run_or_exit(run)
+

@@ -1,0 +1,72 @@
+"""`mtp prepare-dataset`: write a benchmark dataset (JSON lines: task_id, prompt | input_ids, output_tokens).
+
+Default: the shipped model's held-out task prompts (chat-rendered, BOS included), all families round-robin.
+`--task_set general` takes standard-library text instead; `--synthetic --input_tokens N` writes random
+token ids (the vocabulary comes from --model_dir). With a tokenizer at hand the input lengths are
+counted and summarised on stderr.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from cli.common import DEFAULT_MODEL_DIR, run_or_exit, setup_logging
+
+
+def prepare_dataset_command(
+    output: Path = typer.Option(..., "--output", help="Dataset file to write (`-` = stdout)."),
+    num_requests: int = typer.Option(..., "--num_requests", help="Requests to write."),
+    output_tokens: int = typer.Option(..., "--output_tokens", help="output_tokens of every request."),
+    task_set: str = typer.Option("all", "--task_set", help="A task family, `all`, or `general` (stdlib text)."),
+    model_dir: Optional[Path] = typer.Option(None, "--model_dir", help="Tokenizer for counting input tokens "
+                                             "(and the vocabulary of --synthetic); default: the shipped model."),
+    synthetic: bool = typer.Option(False, "--synthetic", help="Random token ids instead of text prompts."),
+    input_tokens: Optional[int] = typer.Option(None, "--input_tokens", help="Input length of --synthetic requests."),
+    seed: int = typer.Option(1234, "--seed", help="Seed of the held-out set / text sample / random ids."),
+    log_level: str = typer.Option("warning", "--log_level", help="debug | info | warning | error."),
+) -> None:
+    setup_logging(log_level)
+
+    def run() -> None:
+        from mtp_core.bench.dataset import encode_request, synthetic_requests, task_requests, write_dataset
+        from mtp_core.tokenizer import Tokenizer
+
+        mdir = model_dir if model_dir is not None else DEFAULT_MODEL_DIR
+        tok = Tokenizer.from_dir(mdir) if (Path(mdir) / "tokenizer.json").is_file() else None
+        if model_dir is not None and tok is None:
+            raise ValueError(f"--model_dir {model_dir} has no tokenizer.json; point it at a checkpoint")
+        if synthetic:
+            if input_tokens is None:
+                raise ValueError("--synthetic needs --input_tokens N")
+            if tok is None:
+                raise ValueError("--synthetic needs --model_dir (its vocabulary size); "
+                                 "the shipped model is not installed")
+            cfg = json.loads((Path(mdir) / "config.json").read_text())
+            from mtp_core.chat_format import SPECIAL_TOKENS
+
+            named = [tok.token_id(s) for s in SPECIAL_TOKENS]
+            special = frozenset(t for t in (tok.bos_token_id, tok.pad_token_id, *tok.eos_token_ids, *named)
+                                if t is not None)
+            requests = synthetic_requests(num_requests, input_tokens, output_tokens, int(cfg["vocab_size"]), special,
+                                          seed)
+        else:
+            if input_tokens is not None:
+                raise ValueError("--input_tokens applies to --synthetic only; text prompts have their own length")
+            requests = task_requests(task_set, num_requests, output_tokens, seed)
+        if str(output) == "-":
+            for r in requests:
+                sys.stdout.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+        else:
+            write_dataset(output, requests)
+        if tok is not None:
+            lens = [len(encode_request(tok, r)) for r in requests]
+            print(f"{len(requests)} requests -> {output}: input tokens avg {sum(lens) / len(lens):.1f} "
+                  f"(min {min(lens)}, max {max(lens)}), output tokens {output_tokens}", file=sys.stderr)
+        else:
+            print(f"{len(requests)} requests -> {output} (no tokenizer: input tokens not counted)", file=sys.stderr)
+
+    run_or_exit(run)
