@@ -1,4 +1,4 @@
-"""docs/CLI.md stays true: its flag table is the command's, its YAML keys are the schema's, its examples run.
+"""README.md stays true: its flag table is the command's, its YAML keys are the schema's, its examples run.
 
 Examples: every fenced ```bash block whose first line is `# test` (exit 0 expected) or `# test: exit N`
 runs as one bash script (`set -eo pipefail`) in a fresh directory holding a copy of extra-llm-api-config.yml, with
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DOC = REPO / "docs" / "CLI.md"
+DOC = REPO / "README.md"
 BLOCK = re.compile(r"```bash\n# test(?::\s*exit\s+(\d+))?\n(.*?)```", re.S)
 TABLE = re.compile(r"<!-- flags:begin -->\n(.*?)<!-- flags:end -->", re.S)
 
@@ -64,7 +64,7 @@ def flag_table() -> str:
 
 def test_flag_table_is_the_commands() -> None:
     m = TABLE.search(DOC.read_text(encoding="utf-8"))
-    assert m, "docs/CLI.md lost its <!-- flags:begin --> ... <!-- flags:end --> markers"
+    assert m, "README.md lost its <!-- flags:begin --> ... <!-- flags:end --> markers"
     assert m.group(1) == flag_table(), "flag table is stale: run `python tests/test_cli_docs.py` and paste it"
 
 
