@@ -35,6 +35,16 @@ class AttentionMetadata:
     def num_rows(self) -> int:
         return len(self.context_lens)
 
+    def visible(self) -> torch.Tensor:
+        """[B, Q, L] bool: key position l is visible to padded query q (causal within the row).
+        Computed once per forward and shared by every layer."""
+        cached = self.__dict__.get("_visible")
+        if cached is None:
+            key_pos = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
+            cached = key_pos[None, None, :] <= self.q_positions[:, :, None]
+            self.__dict__["_visible"] = cached
+        return cached
+
     @classmethod
     def build(cls, positions: list[list[int]], block_tables: list[list[int]], tokens_per_block: int,
               use_absorbed: bool | None = None, device: torch.device | str = "cpu") -> "AttentionMetadata":

@@ -76,20 +76,21 @@ class MLAttention(nn.Module):
         -> [B, Q, H, dv]."""
         ckv, k_pe = kv.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         w_uk, w_uv = self._w_kv_b()
-        bias = torch.zeros(mask.shape, dtype=q_nope.dtype, device=q_nope.device).masked_fill_(~mask, float("-inf"))
-        bias = bias.unsqueeze(1)                                              # [B, 1, Q, L]
+        hidden = ~mask.unsqueeze(1)                                           # [B, 1, Q, L]
         if absorbed:
             q_lat = torch.einsum("bqhd,hdr->bhqr", q_nope, w_uk)              # [B, H, Q, r]
             scores = torch.matmul(q_lat, ckv.unsqueeze(1).transpose(-1, -2))
             scores = scores + torch.matmul(q_pe.transpose(1, 2), k_pe.unsqueeze(1).transpose(-1, -2))
-            probs = torch.softmax(scores * self.softmax_scale + bias, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+            scores = (scores * self.softmax_scale).masked_fill_(hidden, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
             o_lat = torch.matmul(probs, ckv.unsqueeze(1))                    # [B, H, Q, r]
             return torch.einsum("bhqr,hvr->bqhv", o_lat, w_uv)
         kvb = self.kv_b_proj(ckv).view(*ckv.shape[:2], self.num_heads, -1)  # [B, L, H, dn+dv]
         k_nope, v = kvb.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         scores = torch.matmul(q_nope.transpose(1, 2), k_nope.permute(0, 2, 3, 1))   # [B, H, Q, L]
         scores = scores + torch.matmul(q_pe.transpose(1, 2), k_pe.unsqueeze(1).transpose(-1, -2))
-        probs = torch.softmax(scores * self.softmax_scale + bias, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        scores = (scores * self.softmax_scale).masked_fill_(hidden, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
         return torch.matmul(probs, v.transpose(1, 2)).transpose(1, 2)        # [B, Q, H, dv]
 
     # ---- entry points --------------------------------------------------------------------
@@ -102,9 +103,7 @@ class MLAttention(nn.Module):
         keys = flat_cache[meta.kv_slots].to(x.dtype)                          # [B, L, r+dr]
         pad_q = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])[meta.q_index]  # noqa: E731
         q_nope_b, q_pe_b = pad_q(q_nope), pad_q(q_pe)                          # [B, Q, H, *]
-        key_pos = torch.arange(keys.shape[1], device=x.device)
-        mask = key_pos[None, None, :] <= meta.q_positions[:, :, None]         # [B, Q, L]
-        out = self.attend(q_nope_b, q_pe_b, keys, mask, meta.use_absorbed)    # [B, Q, H, dv]
+        out = self.attend(q_nope_b, q_pe_b, keys, meta.visible(), meta.use_absorbed)   # [B, Q, H, dv]
         out = out[meta.q_valid]                                               # [T, H, dv]
         return self.o_proj(out.reshape(out.shape[0], -1))
 
