@@ -11,6 +11,7 @@ and a rank that fails to load makes every rank raise the same ValueError.
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 from dataclasses import replace
@@ -56,6 +57,11 @@ def init_parallel(tp_size: int, ep_size: int, device: str = "cpu",
         device = f"cuda:{_env_int('LOCAL_RANK', 0)}"
         torch.cuda.set_device(torch.device(device))
     if not dist.is_initialized():
+        # torch._dynamo is imported lazily by the first random init on the meta device (building the
+        # model); imported after init_process_group it keeps the default group alive past
+        # destroy_process_group, and gloo's worker threads then abort the interpreter at exit
+        # ("terminate called without an active exception", about 1 run in 10). Import it first.
+        importlib.import_module("torch._dynamo")
         timeout = float(os.environ.get("MTP_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))

@@ -112,7 +112,15 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
     tok_dir = out_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
         tok_dir.mkdir(parents=True, exist_ok=True)
-        build_tokenizer(recipe, tok_dir)
+        shipped = Path(__file__).resolve().parent.parent / "assets" / recipe.name
+        if (shipped / "tokenizer.json").is_file():
+            # the `tokenizers` BPE trainer breaks count ties in hash order, so a retrained vocabulary can
+            # differ run to run; reproducing a shipped model starts from its exact tokenizer
+            for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                shutil.copy(shipped / f, tok_dir / f)
+            echo(f"using the shipped tokenizer of {recipe.name}")
+        else:
+            build_tokenizer(recipe, tok_dir)
     tok = HFTokenizer.from_file(str(tok_dir / "tokenizer.json"))
     bos, eos = tok.token_to_id("<｜begin▁of▁sentence｜>"), tok.token_to_id("<｜end▁of▁sentence｜>")
     cfg_dict = recipe.model_config(tok.get_vocab_size(), bos, eos)

@@ -1,0 +1,39 @@
+"""Model-card artefacts from a training run: loss curves (PNG) and the card's markdown."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def plot_loss_curves(history: list[dict], out_png: Path) -> None:
+    """Main loss, MTP losses per depth (Vanilla chain) and Eagle-chain losses against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(steps, [h["main_loss"] for h in history], label="main LM loss")
+    for d in range(len(history[0]["mtp_loss"])):
+        ax1.plot(steps, [h["mtp_loss"][d] for h in history], label=f"MTP module {d + 1} (depth {d + 1})")
+    for d in range(len(history[0]["eagle_loss"])):
+        ax1.plot(steps, [h["eagle_loss"][d] for h in history], "--", label=f"module 1 reused, depth {d + 2}")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("cross-entropy")
+    ax1.set_yscale("log")
+    ax1.legend(fontsize=7)
+    for d in range(len(history[0]["mtp_acc"])):
+        ax2.plot(steps, [h["mtp_acc"][d] for h in history], label=f"Vanilla depth {d + 1}")
+    for d in range(len(history[0]["eagle_acc"])):
+        ax2.plot(steps, [h["eagle_acc"][d] for h in history], "--", label=f"Eagle depth {d + 2}")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("teacher-forced top-1 accuracy of the draft")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def load_history(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "state" / "state.json").read_text())["history"]
