@@ -210,8 +210,6 @@ def check_device_features(cfg) -> None:
     if kv not in ("auto", "fp8", model):
         raise ValueError(f"kv_cache_config.dtype {kv} differs from the model dtype {model}; the KV cache is kept "
                          "in the model dtype, use auto (or change --dtype)")
-    if cfg.tensor_parallel_size != 1 or cfg.moe_expert_parallel_size != 1:
-        raise ValueError("tensor / expert parallelism (--tp_size, --moe_ep_size) is not implemented yet; use 1")
 
 
 # ---- progress (stderr, only on a terminal) --------------------------------------------------

@@ -7,6 +7,7 @@ speculative statistics go to stderr. Exit codes: 0 ok, 2 usage/config error, 1 r
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from enum import Enum
 from pathlib import Path
@@ -117,7 +118,7 @@ def quickstart_command(
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
     dtype: Dtype = typer.Option(Dtype.auto, "--dtype", case_sensitive=False, help="auto = float32 on CPU."),
     num_threads: Optional[int] = typer.Option(None, "--num_threads", help="CPU threads (default: torch's choice)."),
-    tp_size: int = typer.Option(1, "--tp_size", help="Tensor-parallel size (not implemented yet: 1)."),
+    tp_size: int = typer.Option(1, "--tp_size", help="Tensor-parallel size (launch with torchrun --nproc_per_node N)."),
     moe_ep_size: int = typer.Option(-1, "--moe_ep_size", help="Expert-parallel size; -1 = auto (1 here)."),
     moe_backend: MoeBackend = typer.Option(MoeBackend.auto, "--moe_backend", case_sensitive=False,
                                            help="MoE kernels; GPU backends fall back to PyTorch on a CPU."),
@@ -157,7 +158,8 @@ def quickstart_command(
 
 
 def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
-    from mtp_core import LLM, SamplingParams
+    from mtp_core import SamplingParams
+    from mtp_core.distributed.launch import is_output_rank, make_llm
 
     if p["trust_remote_code"]:
         log.warning("--trust_remote_code is ignored: mtp never runs code from the model directory")
@@ -176,22 +178,26 @@ def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
             raise ValueError(f"prompt [{i}] is empty; give non-empty text")
     chat = p["apply_chat_template"] or p["model_dir"] is None
     finished: dict[int, str] = {}
-    with Progress() as bar:
+    with Progress(enabled=None if os.environ.get("RANK", "0") == "0" else False) as bar:
         def on_finish(i: int, out: Any) -> None:
             finished[i] = out.text
             bar.update("generating", len(finished), len(prompts))
 
         iter_log = (lambda s: print(s, file=sys.stderr)) if cfg.print_iter_log else None
-        llm = LLM(cfg, load_progress=bar.load, iter_log=iter_log)
+        llm = make_llm(cfg, load_progress=bar.load, iter_log=iter_log)
         bar.update("generating", 0, len(prompts))
         try:
             outputs = llm.generate(prompts, sampling, apply_chat_template=chat, on_finish=on_finish)
         except KeyboardInterrupt:
             bar.stop()
+            if not is_output_rank(llm):
+                raise typer.Exit(EXIT_INTERRUPT) from None
             write_lines(result_line(i, prompts[i], finished[i]) for i in sorted(finished))
             print(f"interrupted: {len(finished)} of {len(prompts)} prompts had finished (printed above)",
                   file=sys.stderr)
             raise typer.Exit(EXIT_INTERRUPT) from None
+    if not is_output_rank(llm):
+        return
     write_lines(result_line(i, text, out.text) for i, (text, out) in enumerate(zip(prompts, outputs)))
     if cfg.speculative_config is not None:
         for line in llm.engine.stats.summary_lines():

@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
-from conftest import EOS_ID, PROMPTS, llm_config
+from conftest import PROMPTS, llm_config
 from mtp_core.config import ModelConfig
 from mtp_core.distributed import ParallelState, check_parallel_sizes, collect_shards, shard_model, split_range
 from mtp_core.distributed.loader import load_model_sharded
@@ -230,7 +230,9 @@ def _worker(rank: int, port: int, out_dir: str, jobs: list[dict[str, Any]]) -> N
             kw["model_dir"] = job.get("model_dir_by_rank", {}).get(rank, kw["model_dir"])
             t0 = time.perf_counter()
             llm = make_llm(llm_config(**kw), timeout_s=TIMEOUT_S)
-            outs = llm.generate(BATCH, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+            torch.manual_seed(1000 + rank)       # unseeded sampling draws differently on each rank ...
+            sampling = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=job.get("temperature", 0.0))
+            outs = llm.generate(BATCH, sampling)  # ... so only rank 0's broadcast keeps them together
             with torch.inference_mode():
                 logits = llm.model.compute_logits(llm.model.forward_dense(torch.tensor(LOGIT_IDS)))
             st = llm.engine.stats
@@ -255,6 +257,7 @@ def _spawn(jobs: list[dict[str, Any]], out_dir: Path) -> list[dict[str, Any]]:
     for p in hung:
         p.kill()
     assert not hung, "a rank hung past the deadline"
+    assert [p.exitcode for p in procs] == [0, 0], "a rank crashed (at exit: was the process group destroyed?)"
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
@@ -279,10 +282,15 @@ def test_two_ranks_greedy_equals_single_process(quantized_dirs, tmp_path: Path) 
         cfg = dict(model_dir=str(quantized_dirs[fmt]), nextn=2, mode="eagle", keep_quantized=True)
         jobs.append({"name": name, "config": {**cfg, "tensor_parallel_size": 2, "moe_expert_parallel_size": 2}})
         expected[name] = (_single(**{**cfg, "model_dir": quantized_dirs[fmt]}), 2)
+    jobs.append({"name": "sampled", "temperature": 2.0,
+                 "config": dict(model_dir=str(quantized_dirs["bf16"]), nextn=2, mode="eagle", tensor_parallel_size=2,
+                                moe_expert_parallel_size=2)})
     ranks = _spawn(jobs, tmp_path)
     for rank, res in enumerate(ranks):
         assert "error" not in res, res.get("error")
         assert [res[j["name"]]["output_rank"] for j in jobs] == [rank == 0] * len(jobs)
+    assert ranks[0]["sampled"]["tokens"] == ranks[1]["sampled"]["tokens"], "rank 1 did not follow rank 0"
+    assert ranks[0]["sampled"]["tokens"] != expected["tp2-ep2-eagle"][0][0], "temperature 2 should not be greedy"
     for name, ((tokens, logits), tp) in expected.items():
         r0, r1 = ranks[0][name], ranks[1][name]
         assert r0["tokens"] == tokens and r1["tokens"] == tokens, name
@@ -314,7 +322,6 @@ def test_parallel_sizes_without_torchrun_are_refused(tiny1_dir, monkeypatch) -> 
     with pytest.raises(ValueError, match="torchrun --nproc_per_node 2"):
         make_llm(llm_config(tiny1_dir, tensor_parallel_size=2))
     assert type(make_llm(llm_config(tiny1_dir))) is LLM
-    assert EOS_ID == 2
 
 
 def test_torchrun_quickstart_prints_once_and_matches(tiny1_dir) -> None:

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from mtp_core.distributed.layers import ParallelLMHead, Shard
 from mtp_core.distributed.parallel_state import ParallelState
 from mtp_core.distributed.shard import collect_shards, shard_model
-from mtp_core.distributed.sharded_read import packed_full_shape, read_quant_slice, read_slice
+from mtp_core.distributed.sharded_read import Opener, packed_full_shape, read_quant_slice, read_slice
 from mtp_core.loader.checkpoint import Checkpoint, open_checkpoint
 from mtp_core.loader.quant import QuantFormat, detect_quant_format, ignorable_tensor
 from mtp_core.loader.weights import _is_ignorable, _linear_weight_names, resolve_dtype
@@ -116,7 +116,7 @@ def load_model_sharded(model_dir: str | Path, dtype: str, device: str, par: Para
     return model, ckpt
 
 
-def _load_quantized(open_for, quant: QuantFormat, name: str, names: list[str], full_shape: tuple[int, int],
+def _load_quantized(open_for: Opener, quant: QuantFormat, name: str, names: list[str], full_shape: tuple[int, int],
                     shard: Optional[Shard], local_shape: tuple[int, int], device: str,
                     keep_packed: bool) -> torch.nn.Module | torch.Tensor:
     """A packed module (keep_packed and the slice is on the scale grid) or the dequantized slice [n, k]."""

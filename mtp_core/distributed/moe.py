@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mtp_core.config import ModelConfig
-from mtp_core.distributed.layers import Shard, TensorParallelMLP
+from mtp_core.distributed.layers import TensorParallelMLP
 from mtp_core.distributed.parallel_state import ParallelState, split_range
 from mtp_core.model.layers import MLP
 from mtp_core.model.moe import MoE
@@ -42,7 +42,6 @@ class ExpertParallelMoE(MoE):
         if self.shared_is_partial:
             self.shared_experts = TensorParallelMLP(h, mi * cfg.n_shared_experts, par, par.tp_size, par.tp_rank,
                                                     reduce=False)
-        self.shards: dict[str, Shard] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden] -> [..., hidden], identical on every rank."""

@@ -30,6 +30,9 @@ class AttentionMetadata:
     q_valid: torch.Tensor        # [B, Qmax] bool
     kv_slots: torch.Tensor       # [B, Lmax] int64: cache slot of each key position (0 for padding)
     use_absorbed: bool           # absorbed MLA over the latent cache (decode) vs naive (prefill)
+    block_tables_i32: torch.Tensor  # [B, max_blocks] int32 (0-padded): the paged-kernel view
+    seqlens_i32: torch.Tensor       # [B] int32 = context_lens
+    uniform_q: bool                 # every row feeds the same number of queries (decode / verify batches)
 
     @property
     def num_rows(self) -> int:
@@ -73,6 +76,10 @@ class AttentionMetadata:
             L = context_lens[b]
             kv_slots[b, :L] = table[ar[:L] // bs] * bs + ar[:L] % bs
         q_valid = q_index < num_tokens
+        max_blocks = max(len(t) for t in block_tables)
+        tables_i32 = torch.zeros((num_rows, max_blocks), dtype=torch.int32)
+        for b, t in enumerate(block_tables):
+            tables_i32[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
         if use_absorbed is None:
             use_absorbed = q_max <= 8
         dev = torch.device(device)
@@ -86,4 +93,7 @@ class AttentionMetadata:
             q_valid=q_valid.to(dev),
             kv_slots=kv_slots.to(dev),
             use_absorbed=use_absorbed,
+            block_tables_i32=tables_i32.to(dev),
+            seqlens_i32=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            uniform_q=all(len(p) == q_max for p in positions),
         )

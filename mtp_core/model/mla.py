@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_core import kernels
 from mtp_core.config import ModelConfig
 from mtp_core.model.attention_metadata import AttentionMetadata
 from mtp_core.model.layers import RMSNorm
@@ -100,10 +101,18 @@ class MLAttention(nn.Module):
         q_nope, q_pe, kv = self._project(x, rope, cos, sin)
         flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
         flat_cache.index_copy_(0, meta.slot_mapping, kv.to(flat_cache.dtype))
-        keys = flat_cache[meta.kv_slots].to(x.dtype)                          # [B, L, r+dr]
         pad_q = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])[meta.q_index]  # noqa: E731
         q_nope_b, q_pe_b = pad_q(q_nope), pad_q(q_pe)                          # [B, Q, H, *]
-        out = self.attend(q_nope_b, q_pe_b, keys, meta.visible(), meta.use_absorbed)   # [B, Q, H, dv]
+        if meta.use_absorbed and meta.uniform_q:
+            # decode / verification rows: the paged MLA decode op (native when built) reads the cache in place
+            w_uk, w_uv = self._w_kv_b()
+            q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope_b, w_uk)              # [B, Q, H, r]
+            o_lat, _ = kernels.mla_decode(q_lat.contiguous(), q_pe_b.contiguous(), kv_cache,
+                                          meta.block_tables_i32, meta.seqlens_i32, self.softmax_scale)
+            out = torch.einsum("bqhr,hvr->bqhv", o_lat.to(x.dtype), w_uv)       # [B, Q, H, dv]
+        else:
+            keys = flat_cache[meta.kv_slots].to(x.dtype)                      # [B, L, r+dr]
+            out = self.attend(q_nope_b, q_pe_b, keys, meta.visible(), meta.use_absorbed)   # [B, Q, H, dv]
         out = out[meta.q_valid]                                               # [T, H, dv]
         return self.o_proj(out.reshape(out.shape[0], -1))
 
