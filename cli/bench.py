@@ -13,7 +13,6 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
-import click
 import typer
 
 from cli.common import run_or_exit, setup_logging

@@ -21,28 +21,11 @@ from mtp_core.distributed.parallel_state import ParallelState
 from mtp_core.distributed.shard import collect_shards, shard_model
 from mtp_core.distributed.sharded_read import Opener, packed_full_shape, read_quant_slice, read_slice
 from mtp_core.loader.checkpoint import Checkpoint, open_checkpoint
-from mtp_core.loader.quant import QuantFormat, detect_quant_format, ignorable_tensor
-from mtp_core.loader.weights import _is_ignorable, _linear_weight_names, resolve_dtype
+from mtp_core.loader.quant import QuantFormat, detect_quant_format
+from mtp_core.loader.weights import _linear_weight_names, check_tensor_names, resolve_dtype
 from mtp_core.model import DeepseekV3ForCausalLM
 
 log = logging.getLogger("mtp.distributed.loader")
-
-
-def _check_names(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], parts: dict[str, list[str]]) -> None:
-    available = set(ckpt.shards)
-    needed = {t for names in parts.values() for t in names}
-    missing = sorted(needed - available)
-    if missing:
-        name = missing[0]
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        shape = f" with shape {list(expected[name])}" if name in expected else ""
-        raise ValueError(f"tensor {name}{more}{shape} is missing from the checkpoint in {ckpt.model_dir}")
-    unexpected = sorted(n for n in available - needed
-                        if not _is_ignorable(n, ckpt.config.num_hidden_layers) and not ignorable_tensor(n))
-    if unexpected:
-        name = unexpected[0]
-        raise ValueError(f"unexpected tensor {name} in {ckpt.shards[name].name}: the config does not describe it "
-                         f"(check num_hidden_layers / num_nextn_predict_layers / n_routed_experts / q_lora_rank)")
 
 
 def _check_header_shape(ckpt: Checkpoint, name: str, shape: tuple[int, ...]) -> None:
@@ -64,7 +47,7 @@ def load_model_sharded(model_dir: str | Path, dtype: str, device: str, par: Para
     linears = _linear_weight_names(model)
     available = set(ckpt.shards)
     parts = {n: (quant.tensor_names(n, available) if quant is not None and n in linears else [n]) for n in full}
-    _check_names(ckpt, full, parts)
+    check_tensor_names(ckpt, full, parts)
     shard_model(model, par)
     shards = collect_shards(model)
     dense_only = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, ParallelLMHead)}

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from mtp_core.loader.checkpoint import Checkpoint, open_checkpoint
-from mtp_core.loader.quant import QuantFormat, detect_quant_format, ignorable_tensor
+from mtp_core.loader.quant import detect_quant_format, ignorable_tensor
 from mtp_core.model import DeepseekV3ForCausalLM
 
 log = logging.getLogger("mtp.loader")
@@ -48,6 +48,25 @@ def _linear_weight_names(model: torch.nn.Module) -> set[str]:
     return {f"{name}.weight" for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear)}
 
 
+def check_tensor_names(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], parts: dict[str, list[str]]) -> None:
+    """Every tensor the model needs (parts[param] = its checkpoint tensors, scales included) must be in the
+    checkpoint, and every checkpoint tensor must be needed or known-ignorable."""
+    available = set(ckpt.shards)
+    needed = {t for names in parts.values() for t in names}
+    missing = sorted(needed - available)
+    if missing:
+        name = missing[0]
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        shape = f" with shape {list(expected[name])}" if name in expected else ""
+        raise ValueError(f"tensor {name}{more}{shape} is missing from the checkpoint in {ckpt.model_dir}")
+    unexpected = sorted(n for n in available - needed
+                        if not _is_ignorable(n, ckpt.config.num_hidden_layers) and not ignorable_tensor(n))
+    if unexpected:
+        name = unexpected[0]
+        raise ValueError(f"unexpected tensor {name} in {ckpt.shards[name].name}: the config does not describe it "
+                         f"(check num_hidden_layers / num_nextn_predict_layers / n_routed_experts / q_lora_rank)")
+
+
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                progress: Optional[Callable[[int, int], None]] = None,
                keep_quantized: bool = False) -> tuple[DeepseekV3ForCausalLM, Checkpoint]:
@@ -64,19 +83,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     available = set(ckpt.shards)
     linears = _linear_weight_names(model)
     parts = {n: (quant.tensor_names(n, available) if quant is not None and n in linears else [n]) for n in expected}
+    check_tensor_names(ckpt, {n: tuple(t.shape) for n, t in expected.items()}, parts)
     needed = {t for names in parts.values() for t in names}
-    missing = sorted(t for t in needed if t not in available)
-    if missing:
-        name = missing[0]
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        shape = f" with shape {list(expected[name].shape)}" if name in expected else ""
-        raise ValueError(f"tensor {name}{more}{shape} is missing from the checkpoint in {ckpt.model_dir}")
-    unexpected = sorted(n for n in available - needed
-                        if not _is_ignorable(n, ckpt.config.num_hidden_layers) and not ignorable_tensor(n))
-    if unexpected:
-        name = unexpected[0]
-        raise ValueError(f"unexpected tensor {name} in {ckpt.shards[name].name}: the config does not describe it "
-                         f"(check num_hidden_layers / num_nextn_predict_layers / n_routed_experts / q_lora_rank)")
     tensors = _read_tensors(ckpt, needed, {n: list(expected[n].shape) for n in expected if parts[n] == [n]},
                             progress)
     state: dict[str, torch.Tensor] = {}

@@ -68,11 +68,12 @@ def mtp_losses(model: DeepseekV3ForCausalLM, ids: torch.Tensor, h: torch.Tensor,
         return loss, acc
 
     v_losses, v_acc, e_losses, e_acc = [], [], [], []
+    g1 = base    # replaced by the Vanilla chain's depth-1 output, which the Eagle chain then reuses
     for chain, n_depth, module_of in (("vanilla", depth, lambda d: d - 1), ("eagle", eagle_depth, lambda d: 0)):
         hiddens = [base]
         for d in range(1, n_depth + 1):
             if chain == "eagle" and d == 1:
-                g = g1      # noqa: F821 - depth 1 is shared with the Vanilla chain (same module, same inputs)
+                g = g1      # depth 1 is shared with the Vanilla chain (same module, same inputs)
             else:
                 g = mtp_depth_forward(model, model.mtp_module(module_of(d)), emb, hiddens, cos, sin)
             if chain == "vanilla" and d == 1:

@@ -29,7 +29,11 @@ class Recipe:
     max_position_embeddings: int = 1024
     seq_len: int = 384
     batch_size: int = 12
-    steps: int = 350
+    steps: int = 950
+    # The learning-rate schedule as (end_step, kind, *args) segments, evaluated at the global step.
+    # tiny-r1's history, kept exact so the run reproduces: a cosine planned for 700 steps (steps 0-99),
+    # re-planned for 350 (100-349, CPU time ran short), then a warm restart of 600 more steps.
+    lr_segments: tuple = ((100, "cosine", 700), (350, "cosine", 350), (950, "restart", 600, 1e-3, 20))
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 60
@@ -73,5 +77,6 @@ RECIPES = {
     "smoke": Recipe(name="smoke", vocab_size=300, hidden_size=32, num_layers=2, num_heads=2, q_lora_rank=16,
                     kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, intermediate_size=64,
                     moe_intermediate_size=16, seq_len=64, batch_size=2, steps=4, warmup_steps=1, save_every=2,
-                    tokenizer_examples=200, num_threads=1, max_position_embeddings=256),
+                    tokenizer_examples=200, num_threads=1, max_position_embeddings=256,
+                    lr_segments=((4, "cosine", 4),)),
 }

@@ -56,10 +56,25 @@ def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
 
 
 def lr_at(recipe: Recipe, step: int) -> float:
-    if step < recipe.warmup_steps:
-        return recipe.lr * (step + 1) / recipe.warmup_steps
-    t = (step - recipe.warmup_steps) / max(recipe.steps - recipe.warmup_steps, 1)
-    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+    """Warmup then cosine to min_lr_ratio x lr over the segment's planned total; a "restart" segment
+    warms up again to its own peak and decays over its own length."""
+    start = 0
+    for end, kind, *args in recipe.lr_segments:
+        if step < end or end == recipe.lr_segments[-1][0]:
+            break
+        start = end
+    floor = recipe.lr * recipe.min_lr_ratio
+    if kind == "cosine":
+        total = args[0]
+        if step < recipe.warmup_steps:
+            return recipe.lr * (step + 1) / recipe.warmup_steps
+        t = min((step - recipe.warmup_steps) / max(total - recipe.warmup_steps, 1), 1.0)
+        return floor + (recipe.lr - floor) * 0.5 * (1 + math.cos(math.pi * t))
+    length, peak, warmup = args
+    if step - start < warmup:
+        return peak * (step - start + 1) / warmup
+    t = min((step - start - warmup) / max(length - warmup, 1), 1.0)
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * t))
 
 
 def balance_experts(model: DeepseekV3ForCausalLM, speed: float) -> None:

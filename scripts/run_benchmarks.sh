@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Every number in BENCHMARKS.md, in one go, on the shipped model (CPU, 1 torch thread unless said).
+# Usage: bash scripts/run_benchmarks.sh [OUT_DIR]   (about 15 minutes on the project's 2-core machines)
+set -euo pipefail
+out=${1:-runs/bench}
+mkdir -p "$out"
+T=1
+echo "== sweep (figure 7 + 8, peers, roofline)"
+mtp sweep --max_nextn 5 --num_requests 9 --output_tokens 128 --accuracy --accuracy_per_family 20 --peers \
+  --num_threads $T --report_json "$out/sweep.json" --plot "$out/mtp_sweep.png" 2>&1 | tee "$out/sweep.txt"
+echo "== batching: output tokens/s at batch 1, 4, 16 (nextn 0 and 3)"
+mtp prepare-dataset --output "$out/ds.jsonl" --num_requests 32 --output_tokens 128
+for c in 1 4 16; do
+  mtp bench --dataset "$out/ds.jsonl" --num_requests 32 --concurrency $c --max_batch_size $c --num_threads $T \
+    --report_json "$out/bench_c${c}_k0.json" > "$out/bench_c${c}_k0.txt" 2>&1
+  mtp bench --dataset "$out/ds.jsonl" --num_requests 32 --concurrency $c --max_batch_size $c --num_threads $T \
+    --spec_decode_algo MTP --spec_decode_max_draft_len 3 --report_json "$out/bench_c${c}_k3.json" \
+    > "$out/bench_c${c}_k3.txt" 2>&1
+  python3 - "$out" $c <<'PY'
+import json, sys
+out, c = sys.argv[1], sys.argv[2]
+for k in (0, 3):
+    r = json.load(open(f"{out}/bench_c{c}_k{k}.json"))
+    p = r["performance"]
+    print(f"batch {c:>2} nextn {k}: total {p['total_output_throughput_tps']:.1f} tok/s, "
+          f"per user {p['per_user_output_throughput_tps']:.1f} tok/s, AL {r['decoding_stats'].get('acceptance_length', 1.0):.2f}")
+PY
+done | tee "$out/batching.txt"
+echo "== quantized checkpoints"
+python3 scripts/quant_eval.py --model_dir mtp_core/assets/tiny-r1 --per_family 10 --out "$out/quant" --threads 2 \
+  | tee "$out/quant.txt"

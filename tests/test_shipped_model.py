@@ -1,0 +1,65 @@
+"""The shipped model: present in the package, small, loads in transformers, and the quickstart runs on it
+out of the box (no --model_dir) with MTP giving the same text as without."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from cli.common import DEFAULT_MODEL_DIR
+from mtp_core.data import FAMILIES
+from mtp_core.loader import load_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_shipped_files_and_size() -> None:
+    for f in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+              "generation_config.json", "MODEL_CARD.md", "loss_curves.png", "recipe.json"):
+        assert (DEFAULT_MODEL_DIR / f).is_file(), f
+    total = sum(f.stat().st_size for f in DEFAULT_MODEL_DIR.rglob("*") if f.is_file())
+    assert total <= 40 * 2**20, f"shipped model is {total / 2**20:.1f} MiB"
+    cfg = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 3 and cfg["num_hidden_layers"] >= 8
+    assert cfg["q_lora_rank"] and cfg["n_routed_experts"] >= 8 and cfg["n_group"] > 1
+    assert cfg["n_shared_experts"] == 1 and cfg["first_k_dense_replace"] == 1
+    for fam in FAMILIES:
+        lines = (DEFAULT_MODEL_DIR / "eval" / f"eval_{fam}.jsonl").read_text().splitlines()
+        rec = json.loads(lines[0])
+        assert len(lines) == 50 and {"task", "question", "prompt", "answer"} <= set(rec)
+
+
+def test_main_model_matches_transformers() -> None:
+    from transformers import AutoModelForCausalLM
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    ours, _ = load_model(DEFAULT_MODEL_DIR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True, dtype=torch.float32)
+    ids = torch.tensor([[1, 3, 40, 41, 42, 60, 4, 5]])
+    with torch.no_grad():
+        a = ours.compute_logits(ours.forward_dense(ids)[0])
+        b = hf(ids).logits[0].float()
+    assert (a - b).abs().max().item() <= 1e-4
+
+
+def test_quickstart_out_of_the_box_with_mtp() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    runs = []
+    for extra in ([], ["--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "3"]):
+        r = subprocess.run([sys.executable, "-m", "cli", "quickstart", "--max_tokens", "48", *extra],
+                           capture_output=True, text=True, env=env, cwd=REPO, timeout=600, stdin=subprocess.DEVNULL)
+        assert r.returncode == 0, r.stderr
+        runs.append(r)
+    lines = runs[0].stdout.splitlines()
+    assert len(lines) == 3 and all(line.startswith(f"[{i}] Prompt: ") for i, line in enumerate(lines))
+    assert runs[1].stdout == runs[0].stdout
+    assert "acceptance length (AL)" in runs[1].stderr
