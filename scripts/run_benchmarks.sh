@@ -6,7 +6,7 @@ out=${1:-runs/bench}
 mkdir -p "$out"
 T=1
 echo "== sweep (figure 7 + 8, peers, roofline)"
-mtp sweep --max_nextn 5 --num_requests 9 --output_tokens 128 --accuracy --accuracy_per_family 20 --peers \
+mtp sweep --max_nextn 5 --num_requests 9 --output_tokens 128 --accuracy --accuracy_per_family 10 --peers \
   --num_threads $T --report_json "$out/sweep.json" --plot "$out/mtp_sweep.png" 2>&1 | tee "$out/sweep.txt"
 echo "== batching: output tokens/s at batch 1, 4, 16 (nextn 0 and 3)"
 mtp prepare-dataset --output "$out/ds.jsonl" --num_requests 32 --output_tokens 128
