@@ -239,7 +239,10 @@ def test_ctrl_c_prints_finished_results_then_exits_130(ckpt: Path) -> None:
                              *["a"] * n, "--max_tokens", "150", "--max_batch_size", "1", "--print_iter_log",
                              "--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "2"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=ENV, cwd=REPO)
+                            env=ENV, cwd=REPO,
+                            # a runner started in the background (nohup, `&`) passes SIGINT on as ignored,
+                            # and Python then never installs its Ctrl-C handler: give the child the default
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     prefills = 0
     try:
         for line in proc.stderr:                 # batch 1: a new prefill means the previous request finished
