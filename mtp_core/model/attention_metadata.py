@@ -52,6 +52,8 @@ class AttentionMetadata:
     def build(cls, positions: list[list[int]], block_tables: list[list[int]], tokens_per_block: int,
               use_absorbed: bool | None = None, device: torch.device | str = "cpu") -> "AttentionMetadata":
         """positions[b]: the consecutive positions row b feeds in this call; block_tables[b]: its blocks."""
+        # one snapshot per table: the overlap scheduler's worker may be appending to these lists right now
+        block_tables = [list(t) for t in block_tables]
         num_rows = len(positions)
         query_start = [0]
         for p in positions:
