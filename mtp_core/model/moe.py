@@ -61,29 +61,7 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return out.view(shape)
 
-    # Up to this many (token, expert) pairs run as one gathered batched matmul instead of a loop over
-    # experts: decode and verification steps route a handful of tokens, where the per-expert loop's
-    # op count (up to E x 3 linears + indexing) costs more than copying the few expert weights it needs.
-    GATHER_MAX_PAIRS = 64
-
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        plain = type(self.experts[0].gate_proj) is nn.Linear     # packed FP8/NVFP4 experts keep the loop
-        if plain and idx.numel() <= self.GATHER_MAX_PAIRS and not torch.is_grad_enabled():
-            return self._routed_gathered(x, weights, idx)
-        return self._routed_loop(x, weights, idx)
-
-    def _routed_gathered(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """x [T, H], weights/idx [T, k]: each (token, expert) pair is its own small matmul, so a token's
-        result does not depend on which other tokens share the step."""
-        experts = [self.experts[e] for e in idx.flatten().tolist()]              # P = T*k pairs
-        w = lambda name: torch.stack([getattr(e, name).weight for e in experts]).transpose(1, 2)  # noqa: E731
-        xs = x.repeat_interleave(idx.shape[1], dim=0).unsqueeze(1)               # [P, 1, H]
-        h = F.silu(torch.bmm(xs, w("gate_proj"))) * torch.bmm(xs, w("up_proj"))   # [P, 1, I]
-        y = torch.bmm(h, w("down_proj")).squeeze(1)                              # [P, H]
-        y = y * weights.flatten().to(x.dtype)[:, None]
-        return y.view(*idx.shape, -1).sum(1)                                      # [T, H]
-
-    def _routed_loop(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         flat_idx = idx.flatten()                                                  # [T*k]
         order = flat_idx.argsort(stable=True)
         counts = torch.bincount(flat_idx, minlength=len(self.experts)).tolist()
