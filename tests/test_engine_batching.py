@@ -36,14 +36,16 @@ def assert_pool_clean(eng: Engine) -> None:
 
 # ---- batching invariance ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("batch", [8, 3])
 @pytest.mark.parametrize("spec", list(SPECS))
-def test_batched_equals_one_at_a_time(models, tiny1_dir, tiny3_dir, make_llm, spec, batch, chunked):
+def test_batched_equals_one_at_a_time(models, tiny1_dir, tiny3_dir, make_llm, spec, batch, chunked, overlap):
     ckpt, nextn, mode = SPECS[spec]
     model_dir = {"tiny1": tiny1_dir, "tiny3": tiny3_dir}[ckpt]
     llm = make_llm(model_dir, nextn=nextn, mode=mode, max_batch_size=batch, enable_chunked_prefill=chunked,
-                   max_num_tokens=16 if chunked else 8192)
+                   max_num_tokens=16 if chunked else 8192, disable_overlap_scheduler=not overlap)
+    assert llm.engine.overlap == (overlap and nextn > 0)
     outs = llm.generate(PROMPTS, PARAMS)
     want = expected(models[ckpt])
     assert [o.token_ids for o in outs] == want
