@@ -41,12 +41,7 @@ def plot_sweep(rows: list[dict], path: str | Path, title: str = "") -> Path:
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_accuracy(accuracy: dict[str, dict[str, float]], path: str | Path, title: str = "") -> Path:
@@ -63,6 +58,11 @@ def plot_accuracy(accuracy: dict[str, dict[str, float]], path: str | Path, title
     ax.set(ylabel="exact match (%)", title=title or "Accuracy: strict vs relaxed acceptance", ylim=(0, 105))
     ax.legend()
     ax.grid(axis="y", alpha=0.3)
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
+    """Lay out, write the PNG (creating its folder) and free the figure."""
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
