@@ -88,7 +88,8 @@ def get_extensions() -> tuple[list[Any], dict[str, type]]:
         _say(f"torch is not importable ({exc}); not building native extensions")
         return [], {}
 
-    cxx_flags = ["-O3", "-std=c++20"]
+    # no fused multiply-add contraction: the fused CPU ops round each product as the torch references do
+    cxx_flags = ["-O3", "-std=c++20", "-ffp-contract=off"]
     extensions = [
         CppExtension("mtp_core._C", sources=_sources("*.cpp") + _sources("cpu/*.cpp"),
                      extra_compile_args={"cxx": cxx_flags}, optional=True),

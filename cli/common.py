@@ -167,7 +167,7 @@ def build_llm_config(p: dict[str, Any], explicit: dict[str, Any], note: Callable
         enable_chunked_prefill=p["enable_chunked_prefill"], print_iter_log=p["print_iter_log"],
         tensor_parallel_size=p["tp_size"], keep_quantized=p.get("keep_quantized", False),
         moe_expert_parallel_size=1 if p["moe_ep_size"] == -1 else p["moe_ep_size"],
-        num_threads=p.get("num_threads"),
+        num_threads=p.get("num_threads"), device=default_device(),
     )
     if p.get("extra_llm_api_options") is not None:
         from mtp_core.yaml_config import apply_yaml_options, load_yaml_options
@@ -186,6 +186,18 @@ def build_llm_config(p: dict[str, Any], explicit: dict[str, Any], note: Callable
                         "has" if len(typed) == 1 else "have")
     check_device_features(cfg)
     return cfg
+
+
+def default_device() -> str:
+    """cuda when torch sees a GPU, else cpu; MTP_CORE_DEVICE (cpu | cuda | cuda:N) overrides."""
+    import torch
+
+    chosen = os.environ.get("MTP_CORE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not (chosen == "cpu" or chosen.startswith("cuda")):
+        raise ValueError(f"MTP_CORE_DEVICE={chosen!r} is not a device; use cpu, cuda or cuda:N")
+    if chosen.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"MTP_CORE_DEVICE={chosen} but torch sees no CUDA device; unset it or use cpu")
+    return chosen
 
 
 def check_device_features(cfg) -> None:

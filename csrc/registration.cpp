@@ -20,6 +20,11 @@ TORCH_LIBRARY(mtp_core, m) {
   // NVFP4 activation quantization with a per-tensor decode scale -> (packed [M, K/2] uint8,
   // block scales [M, K/16] float8_e4m3fn).
   m.def("nvfp4_quantize(Tensor x, Tensor global_scale) -> (Tensor, Tensor)");
+  // RMSNorm over the last dim, fp32 arithmetic: weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  // Rotary embedding of x [T, ..., D] with float32 cos/sin [T, D/2]; output [rot. x1 | rot. x2] where
+  // (x1, x2) are the even/odd (interleave) or first/second-half elements.
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleave) -> Tensor");
 }
 
 // `import mtp_core._C` loads this library and with it the registrations; the module is empty.

@@ -168,6 +168,54 @@ def test_backend_modes() -> None:
         load_native_ops("fast")
 
 
+# ---- fused CPU elementwise ops (rms_norm, rope) ------------------------------------------------
+
+def test_rms_norm_and_rope_refs_by_hand() -> None:
+    x = torch.tensor([[3.0, 4.0]])                                   # mean square 12.5
+    got = kernels.rms_norm_ref(x, torch.tensor([1.0, 2.0]), 0.0)
+    assert torch.allclose(got, torch.tensor([[3.0, 8.0]]) / math.sqrt(12.5))
+    # one pair rotated by 90 degrees: (x1, x2) = (1, 2) -> (-2, 1)
+    c, s = torch.tensor([[0.0]]), torch.tensor([[1.0]])
+    assert kernels.rope_ref(torch.tensor([[1.0, 2.0]]), c, s, True).tolist() == [[-2.0, 1.0]]
+    # interleaved [a0, b0, a1, b1] -> [rot a | rot b]; halves [a0, a1, b0, b1] -> same
+    x4 = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    c2, s2 = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    assert kernels.rope_ref(x4, c2, s2, True).tolist() == [[1.0, -4.0, 2.0, 3.0]]
+    assert kernels.rope_ref(x4, c2, s2, False).tolist() == [[1.0, -4.0, 3.0, 2.0]]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_fused_cpu_ops_match_refs(dtype, interleave) -> None:
+    """rope is bitwise the reference; rms_norm sums the squares in its own order (one rounding step)."""
+    g = torch.Generator().manual_seed(3)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    for shape in [(1, 192), (5, 64), (3, 7, 33)]:
+        x = torch.randn(*shape, generator=g).to(dtype)
+        w = torch.randn(shape[-1], generator=g).to(dtype)
+        got, want = torch.ops.mtp_core.rms_norm(x, w, 1e-6), kernels.rms_norm_ref(x, w, 1e-6)
+        assert got.dtype == dtype and torch.allclose(got.float(), want.float(), **tol), shape
+    for shape in [(4, 16), (4, 3, 16), (1, 128, 64)]:
+        x = torch.randn(*shape, generator=g).to(dtype)
+        c, s = torch.randn(shape[0], shape[-1] // 2, generator=g), torch.randn(shape[0], shape[-1] // 2, generator=g)
+        assert torch.equal(torch.ops.mtp_core.rope(x, c, s, interleave), kernels.rope_ref(x, c, s, interleave)), shape
+    torch.library.opcheck(torch.ops.mtp_core.rms_norm.default, (x[:, 0], torch.ones(64, dtype=dtype), 1e-6))
+    torch.library.opcheck(torch.ops.mtp_core.rope.default, (x, c, s, interleave))
+
+
+@needs_native
+def test_fused_cpu_ops_dispatch_and_autograd_fallback() -> None:
+    x, w = torch.randn(3, 8), torch.randn(8)
+    with torch.inference_mode():
+        assert torch.equal(kernels.rms_norm(x, w, 1e-6), torch.ops.mtp_core.rms_norm(x, w, 1e-6))
+    wg = w.clone().requires_grad_()
+    kernels.rms_norm(x, wg, 1e-6).sum().backward()                 # needs grad: the reference runs
+    assert wg.grad is not None
+    with pytest.raises(RuntimeError, match="cos and sin must be float32"):
+        torch.ops.mtp_core.rope(torch.randn(2, 8), torch.randn(3, 4), torch.randn(3, 4), True)
+
+
 # ---- NVFP4 ------------------------------------------------------------------------------------
 
 def test_unpack_e2m1_low_nibble_first() -> None:

@@ -208,3 +208,41 @@ def test_metadata_worked_example() -> None:
     assert meta.kv_slots[0].tolist() == [12, 13, 14, 15, 32, 33, 34]
     assert meta.kv_slots[1, :3].tolist() == [4, 5, 6]
     assert meta.q_valid.tolist() == [[True, True, False], [True, True, True]]
+
+
+@pytest.mark.parametrize("kw", [dict(q_lora_rank=32, yarn=True), dict(q_lora_rank=None, rope_interleave=False)],
+                         ids=["qlora_yarn", "noqlora_nointerleave"])
+def test_fused_decode_weights_match_forward_dense(kw) -> None:
+    """fuse_for_decode(): pre-absorbed query/output weights, stacked experts and gate|up, used by the
+    uniform (decode / verification) steps; the result still equals the dense reference."""
+    model = make_model(seed=4, **kw)
+    bs = 4
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 96, (14,), generator=g).tolist(), torch.randint(0, 96, (12,), generator=g).tolist()]
+    chunks = [[6, 5], [4, 4], [1, 1], [3, 0], [0, 2]]      # prefill, then uniform rows of 4 and 1 tokens
+    tables = [[7, 2, 5, 0], [6, 1, 3]]
+    with torch.no_grad():
+        want = [model.forward_dense(torch.tensor([s]))[0] for s in seqs]
+        fused = model.fuse_for_decode()
+        assert fused["attention"] == len(model.model.layers) and fused["moe"] >= 1
+        assert all(layer.self_attn.decode_weights is not None for layer in model.model.layers)
+        got = run_schedule(model, seqs, chunks, tables, bs, new_caches(model, 8, bs), True)
+        for b in range(2):
+            assert (got[b] - want[b]).abs().max() <= TOL, b
+        # the fused path really ran: dropping the absorbed weights changes nothing but the route taken
+        for layer in model.model.layers:
+            layer.self_attn.decode_weights = None
+        again = run_schedule(model, seqs, chunks, tables, bs, new_caches(model, 8, bs), True)
+        for b in range(2):
+            assert (again[b] - got[b]).abs().max() <= TOL
+
+
+def test_absorption_skipped_when_it_would_bloat_the_weights() -> None:
+    """DeepSeek-V3's shapes (128 heads, r=512, q_lora 1536) would grow the attention weights ~3x:
+    fuse_for_decode() keeps them unabsorbed; the tiny shapes are absorbed."""
+    d = tiny_config_dict(96, q_lora_rank=64)
+    d.update(num_attention_heads=16, kv_lora_rank=256, qk_nope_head_dim=16, v_head_dim=16)
+    big = MLAttention(ModelConfig.from_dict(d))
+    assert not big.fuse_for_decode() and big.decode_weights is None
+    small = MLAttention(make_cfg())
+    assert small.fuse_for_decode() and small.decode_weights is not None

@@ -197,3 +197,40 @@ def test_mtp_layer_is_moe_and_first_k_dense() -> None:
     assert "model.layers.3.mlp.experts.7.down_proj.weight" in names
     assert "model.layers.3.mlp.gate.e_score_correction_bias" in names
     assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
+
+
+@pytest.mark.parametrize("n_shared", [1, 0])
+def test_fused_dense_small_batch_matches_routed(n_shared) -> None:
+    """fuse_for_decode(): every expert on every token, mixed by the router weights (0 when unchosen),
+    equals the per-expert routed loop; the experts' weights become views of the stacked copy."""
+    moe = MoE(make_cfg(n_shared_experts=n_shared, num_experts_per_tok=2)).eval()
+    init_weights(moe, 5, std=0.1)
+    g = torch.Generator().manual_seed(2)
+    xs = {T: torch.randn(T, HIDDEN, generator=g) for T in (1, 4, 16, 40)}
+    with torch.no_grad():
+        want = {T: moe(x) for T, x in xs.items()}
+        assert moe.fuse_for_decode()
+        w13, w2 = moe.stacked
+        assert w13.shape == ((8 + n_shared) * 2 * moe.experts[0].gate_proj.weight.shape[0], HIDDEN)
+        assert moe.experts[3].down_proj.weight.data_ptr() == w2[3].data_ptr()      # a view, not a copy
+        for T, x in xs.items():
+            w, idx = moe.gate(x)
+            assert (moe.dense(x, w, idx) - want[T]).abs().max() <= 1e-5, T
+            assert (moe(x) - want[T]).abs().max() <= 1e-5, T                      # whichever path it picks
+        # the dense path is taken only for small batches that pick enough experts
+        used: list[int] = []
+        orig = moe.dense
+        moe.dense = lambda x, w, i: used.append(x.shape[0]) or orig(x, w, i)
+        for x in xs.values():
+            moe(x)
+    assert used == [4, 16]
+
+
+def test_fusion_leaves_training_on_the_routed_path() -> None:
+    moe = MoE(make_cfg())
+    init_weights(moe, 1, std=0.1)
+    assert moe.fuse_for_decode()
+    moe.train()
+    x = torch.randn(4, HIDDEN, requires_grad=True)
+    moe(x).sum().backward()
+    assert x.grad is not None and moe.load_counts.sum() == 4 * moe.gate.top_k

@@ -24,6 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from mtp_core.config import LLMConfig
+from mtp_core.engine.graph_runner import GraphRunner, default_batch_sizes, static_step_unsupported
 from mtp_core.engine.model_runner import ModelRunner, TargetOutput
 from mtp_core.model import AttentionMetadata
 from mtp_core.engine.scheduler import PreemptionNeeded, ScheduledRow, Scheduler
@@ -54,6 +55,9 @@ class Engine:
         if self.relaxed and think_ids is None:
             raise ValueError("relaxed acceptance for thinking needs <think> and </think> tokens, but the tokenizer "
                              "has neither; drop --use_relaxed_acceptance_for_thinking")
+        if not getattr(model, "decode_fused", False):
+            log.info("decode weight fusion: %s", model.fuse_for_decode())
+            model.decode_fused = True
         kv = cfg.kv_cache_config
         device = cfg.device
         dtype = next(model.parameters()).dtype
@@ -73,6 +77,7 @@ class Engine:
         self.stats = SpecStats()
         self.iter_log = iter_log
         self.num_steps = 0
+        self.graphs = self._make_graphs(num_blocks) if cfg.cuda_graph_config is not None else None
         self.overlap = not cfg.disable_overlap_scheduler and self.drafter is not None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
         self._prepared: Optional[tuple[list[ScheduledRow], AttentionMetadata]] = None
@@ -89,6 +94,24 @@ class Engine:
         cls = VanillaDrafter if mode == "vanilla" else EagleDrafter
         log.info("MTP %s drafting, max_draft_len=%d, %d module(s) in the checkpoint", mode, self.K, n)
         return cls(self.model, self.caches, self.blocks.tokens_per_block, self.K)
+
+    def _make_graphs(self, num_blocks: int) -> Optional[GraphRunner]:
+        """The static (CUDA-graph) decode step for each batch size of cuda_graph_config; None, with a log
+        line, when this model or drafting mode cannot run it (every step then runs eagerly)."""
+        cg, spec = self.cfg.cuda_graph_config, self.cfg.speculative_config
+        mode = spec.resolved_mode(self.model.num_mtp_modules) if spec else None
+        why = static_step_unsupported(self.model, mode, self.K)
+        if why is not None:
+            log.warning("CUDA graphs off: %s", why)
+            return None
+        scratch: list[int] = []
+        self.blocks.reserve(scratch, 1)            # padded rows read and write only this block, forever
+        sizes = [b for b in (cg.batch_sizes or default_batch_sizes(cg.max_batch_size or self.cfg.max_batch_size))
+                 if b <= self.cfg.max_batch_size]
+        relaxed = self.relaxed if self.relaxed and self.relaxed[0] > 1 and self.relaxed[1] > 0 else None
+        return GraphRunner(self.model, self.caches, self.K, sizes, cg.enable_padding,
+                           self.blocks.blocks_for(self.max_seq_len + 2 * self.K), self.blocks.tokens_per_block,
+                           scratch[0], relaxed, torch.device(self.cfg.device))
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -127,6 +150,15 @@ class Engine:
                                    "too small); raise kv_cache_config.max_tokens or --max_num_tokens")
             return []
         try:
+            static = self.graphs.step_for(rows) if self.graphs is not None else None
+            if static is not None:
+                # target forward, verification and the K draft forwards in one (captured) static step
+                tokens, drafts = static.run(rows)
+                inputs = self._commit(rows, VerifyResult(tokens), None)
+                drafts_of = {id(r.seq): d for r, d in zip(rows, drafts)}
+                self._store_drafts(inputs, [drafts_of[id(i.seq)] for i in inputs], rewind=True)
+                self.graphs.num_replays += 1
+                return self._finish_step(rows, VerifyResult(tokens), t0)
             out = self.runner.execute(rows, meta)
             result = self._verify(rows, out)
             inputs = self._commit(rows, result, out)
@@ -151,6 +183,9 @@ class Engine:
                     r.seq.finish_reason = "abort"
                     self.scheduler.finish(r.seq)
             raise
+        return self._finish_step(rows, result, t0)
+
+    def _finish_step(self, rows: list[ScheduledRow], result: VerifyResult, t0: float) -> list[Sequence]:
         self.num_steps += 1
         if self.iter_log:
             ntok = sum(len(r.token_ids) for r in rows)
@@ -182,7 +217,7 @@ class Engine:
                 continue
             logits = torch.stack([out.logits[i] for i in group])           # [B, K+1 or 1, V]
             drafts = torch.tensor([rows[i].token_ids[1:] if not rows[i].is_prefill else [] for i in group],
-                                  dtype=torch.long).view(len(group), -1)                # [B, K or 0]
+                                  dtype=torch.long, device=logits.device).view(len(group), -1)  # [B, K or 0]
             seqs = [rows[i].seq for i in group]
             res = verify(logits, drafts, [s.params for s in seqs],
                          [self.relaxed if s.in_thinking else None for s in seqs], [s.generator for s in seqs])
@@ -190,10 +225,13 @@ class Engine:
                 tokens[i] = t
         return VerifyResult(tokens)
 
-    def _commit(self, rows: list[ScheduledRow], result: VerifyResult, out: TargetOutput) -> list[DraftInput]:
+    def _commit(self, rows: list[ScheduledRow], result: VerifyResult, out: Optional[TargetOutput]
+                ) -> list[DraftInput]:
+        """Appends the emitted tokens; the draft inputs carry the target hidden states (None after a static
+        step, which drafted already)."""
         now = time.perf_counter()
         inputs: list[DraftInput] = []
-        for r, emitted, hidden in zip(rows, result.tokens, out.hidden):
+        for r, emitted, hidden in zip(rows, result.tokens, out.hidden if out is not None else [None] * len(rows)):
             seq = r.seq
             if r.is_prefill:
                 seq.num_prefilled += len(r.token_ids)
@@ -210,7 +248,8 @@ class Engine:
                 seq.finish_time = now
                 continue
             n_new = valid - r.start
-            inputs.append(DraftInput(seq, r.start, seq.all_ids[r.start + 1: valid + 1], hidden[:n_new],
+            inputs.append(DraftInput(seq, r.start, seq.all_ids[r.start + 1: valid + 1],
+                                     hidden[:n_new] if hidden is not None else None,
                                      needs_drafts=not (r.is_prefill and not r.is_final_chunk)))
         return inputs
 

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mtp_core.kernels.fused_ref import rms_norm_ref, rope_ref
 from mtp_core.kernels.mla_decode_ref import mla_decode_ref
 from mtp_core.kernels.native import NativeOps, load_native_ops, note_fallback
 from mtp_core.kernels.nvfp4_gemm_ref import (
@@ -151,3 +152,25 @@ def nvfp4_w4a4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
         note_fallback("nvfp4_w4a4_gemm", f"{x.device}: no FP4 tensor cores")
         out = nvfp4_w4a4_gemm_ref(x2, weight, weight_scale, weight_scale_2, input_scale)
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _native_cpu_elementwise(*tensors: torch.Tensor) -> bool:
+    """The fused CPU ops take fp32/bf16 CPU tensors and have no autograd formula."""
+    x = tensors[0]
+    return (NATIVE.cpu and x.device.type == "cpu" and x.dtype in _CPU_Q_DTYPES
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype) over the last dim (contract: fused_ref.py)."""
+    if weight.dtype == x.dtype and _native_cpu_elementwise(x, weight):
+        return torch.ops.mtp_core.rms_norm(x, weight, float(eps))
+    return rms_norm_ref(x, weight, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotary embedding of x [T, ..., D] with cos/sin [T, D/2] (contract: fused_ref.py)."""
+    if (cos.dim() == 2 and x.dim() >= 2 and x.shape[0] == cos.shape[0] and cos.dtype == torch.float32
+            and _native_cpu_elementwise(x)):
+        return torch.ops.mtp_core.rope(x, cos, sin, interleave)
+    return rope_ref(x, cos, sin, interleave)

@@ -26,6 +26,14 @@ def register_fakes() -> None:
                     weight_scale_2: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], weight.shape[0]))                               # [M, N]
 
+    @torch.library.register_fake("mtp_core::rms_norm")
+    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("mtp_core::rope")
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+        return torch.empty_like(x)
+
     @torch.library.register_fake("mtp_core::nvfp4_quantize")
     def _nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, cols = x.shape

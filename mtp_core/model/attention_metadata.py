@@ -25,28 +25,83 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor   # [T] int64
     query_start: list[int]       # [B+1] cumulative query lengths (host ints)
     context_lens: list[int]      # [B] KV length of each row after this call's writes
-    q_index: torch.Tensor        # [B, Qmax] int64: flat token index, T for padding
-    q_positions: torch.Tensor    # [B, Qmax] int64: position of each padded query (0 for padding)
-    q_valid: torch.Tensor        # [B, Qmax] bool
-    kv_slots: torch.Tensor       # [B, Lmax] int64: cache slot of each key position (0 for padding)
     use_absorbed: bool           # absorbed MLA over the latent cache (decode) vs naive (prefill)
     block_tables_i32: torch.Tensor  # [B, max_blocks] int32 (0-padded): the paged-kernel view
     seqlens_i32: torch.Tensor       # [B] int32 = context_lens
     uniform_q: bool                 # every row feeds the same number of queries (decode / verify batches)
+    # host copies the padded views below are built from, on first use (the paged decode path needs none)
+    row_positions: list[list[int]]
+    block_tables: list[list[int]]
+    tokens_per_block: int
+
+    num_rows: int
+
+    @classmethod
+    def uniform(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables_i32: torch.Tensor,
+                seqlens_i32: torch.Tensor) -> "AttentionMetadata":
+        """Decode-shaped metadata straight from device tensors (every row feeds Q = T / B tokens): no host
+        list, no host sync, so it can be computed inside a CUDA graph. Only the paged absorbed path
+        reads it; the padded views below (naive attention) are not available."""
+        num_rows = block_tables_i32.shape[0]
+        q = positions.shape[0] // num_rows
+        return cls(positions=positions, slot_mapping=slot_mapping, query_start=list(range(0, q * num_rows + 1, q)),
+                   context_lens=[], use_absorbed=True, block_tables_i32=block_tables_i32, seqlens_i32=seqlens_i32,
+                   uniform_q=True, row_positions=[], block_tables=[], tokens_per_block=0, num_rows=num_rows)
+
+    def _cached(self, name: str, make) -> torch.Tensor:
+        value = self.__dict__.get(name)
+        if value is None:
+            if not self.row_positions:
+                raise RuntimeError("AttentionMetadata.uniform() carries no host positions; padded views need build()")
+            value = self.__dict__[name] = make().to(self.positions.device)
+        return value
 
     @property
-    def num_rows(self) -> int:
-        return len(self.context_lens)
+    def q_index(self) -> torch.Tensor:
+        """[B, Qmax] int64: flat token index of each padded query, T for padding."""
+        def make() -> torch.Tensor:
+            q_max = max(len(p) for p in self.row_positions)
+            out = torch.full((self.num_rows, q_max), self.query_start[-1], dtype=torch.long)
+            for b, p in enumerate(self.row_positions):
+                out[b, :len(p)] = torch.arange(self.query_start[b], self.query_start[b] + len(p))
+            return out
+        return self._cached("_q_index", make)
+
+    @property
+    def q_positions(self) -> torch.Tensor:
+        """[B, Qmax] int64: position of each padded query (0 for padding)."""
+        def make() -> torch.Tensor:
+            out = torch.zeros((self.num_rows, max(len(p) for p in self.row_positions)), dtype=torch.long)
+            for b, p in enumerate(self.row_positions):
+                out[b, :len(p)] = torch.tensor(p)
+            return out
+        return self._cached("_q_positions", make)
+
+    @property
+    def q_valid(self) -> torch.Tensor:
+        """[B, Qmax] bool: which padded queries are real."""
+        return self._cached("_q_valid", lambda: self.q_index < self.query_start[-1])
+
+    @property
+    def kv_slots(self) -> torch.Tensor:
+        """[B, Lmax] int64: cache slot of each key position (0 for padding)."""
+        def make() -> torch.Tensor:
+            bs = self.tokens_per_block
+            out = torch.zeros((self.num_rows, max(self.context_lens)), dtype=torch.long)
+            ar = torch.arange(out.shape[1])
+            for b, L in enumerate(self.context_lens):
+                table = torch.tensor(self.block_tables[b], dtype=torch.long)
+                out[b, :L] = table[ar[:L] // bs] * bs + ar[:L] % bs
+            return out
+        return self._cached("_kv_slots", make)
 
     def visible(self) -> torch.Tensor:
         """[B, Q, L] bool: key position l is visible to padded query q (causal within the row).
         Computed once per forward and shared by every layer."""
-        cached = self.__dict__.get("_visible")
-        if cached is None:
+        def make() -> torch.Tensor:
             key_pos = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
-            cached = key_pos[None, None, :] <= self.q_positions[:, :, None]
-            self.__dict__["_visible"] = cached
-        return cached
+            return key_pos[None, None, :] <= self.q_positions[:, :, None]
+        return self._cached("_visible", make)
 
     @classmethod
     def build(cls, positions: list[list[int]], block_tables: list[list[int]], tokens_per_block: int,
@@ -54,34 +109,16 @@ class AttentionMetadata:
         """positions[b]: the consecutive positions row b feeds in this call; block_tables[b]: its blocks."""
         # one snapshot per table: the overlap scheduler's worker may be appending to these lists right now
         block_tables = [list(t) for t in block_tables]
-        num_rows = len(positions)
         query_start = [0]
         for p in positions:
             query_start.append(query_start[-1] + len(p))
-        num_tokens = query_start[-1]
         context_lens = [p[-1] + 1 for p in positions]
         q_max = max(len(p) for p in positions)
-        l_max = max(context_lens)
-
         bs = tokens_per_block
         flat_pos = [x for p in positions for x in p]
         slot_mapping = [block_tables[b][x // bs] * bs + x % bs for b, p in enumerate(positions) for x in p]
-        q_index = torch.full((num_rows, q_max), num_tokens, dtype=torch.long)
-        q_positions = torch.zeros((num_rows, q_max), dtype=torch.long)
-        kv_slots = torch.zeros((num_rows, l_max), dtype=torch.long)
-        ar = torch.arange(l_max)
-        for b, p in enumerate(positions):
-            n = len(p)
-            q_index[b, :n] = torch.arange(query_start[b], query_start[b] + n)
-            q_positions[b, :n] = torch.tensor(p)
-            table = torch.tensor(block_tables[b], dtype=torch.long)
-            L = context_lens[b]
-            kv_slots[b, :L] = table[ar[:L] // bs] * bs + ar[:L] % bs
-        q_valid = q_index < num_tokens
         max_blocks = max(len(t) for t in block_tables)
-        tables_i32 = torch.zeros((num_rows, max_blocks), dtype=torch.int32)
-        for b, t in enumerate(block_tables):
-            tables_i32[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        tables_i32 = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
         if use_absorbed is None:
             use_absorbed = q_max <= 8
         dev = torch.device(device)
@@ -90,12 +127,12 @@ class AttentionMetadata:
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
             query_start=query_start,
             context_lens=context_lens,
-            q_index=q_index.to(dev),
-            q_positions=q_positions.to(dev),
-            q_valid=q_valid.to(dev),
-            kv_slots=kv_slots.to(dev),
             use_absorbed=use_absorbed,
             block_tables_i32=tables_i32.to(dev),
             seqlens_i32=torch.tensor(context_lens, dtype=torch.int32, device=dev),
             uniform_q=all(len(p) == q_max for p in positions),
+            row_positions=[list(p) for p in positions],
+            block_tables=block_tables,
+            tokens_per_block=tokens_per_block,
+            num_rows=len(positions),
         )

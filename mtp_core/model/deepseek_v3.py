@@ -45,6 +45,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.layers[self.num_main_layers + k]  # type: ignore[return-value]
 
     # ---- serving (paged cache) -----------------------------------------------------------
+    def fuse_for_decode(self) -> dict[str, int]:
+        """Serving-time weight fusion of every layer (MLA absorption, stacked experts, gate|up); each
+        module skips itself when its weights do not allow it. Returns how many modules were fused."""
+        fused = {"attention": 0, "moe": 0, "mlp": 0}
+        for layer in self.model.layers:
+            fused["attention"] += layer.self_attn.fuse_for_decode()
+            kind = "moe" if hasattr(layer.mlp, "experts") else "mlp"
+            fused[kind] += bool(getattr(layer.mlp, "fuse_for_decode", lambda: False)())
+        return fused
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [T] -> hidden [T, hidden] after the final norm."""

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mtp_core import kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
@@ -13,10 +15,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return kernels.rms_norm(x, self.weight, self.eps)   # fp32 arithmetic, HF DeepSeek-V3's formula
 
 
 class MLP(nn.Module):
@@ -27,6 +26,22 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None   # [2I, H], set by fuse_for_decode()
+
+    @torch.no_grad()
+    def fuse_for_decode(self) -> bool:
+        """One [2I, H] matmul for gate and up (their weights become views of it) in inference."""
+        if type(self) is not MLP or type(self.gate_proj) is not nn.Linear or type(self.up_proj) is not nn.Linear:
+            return False
+        inter = self.gate_proj.weight.shape[0]
+        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        self.gate_proj.weight = nn.Parameter(w[:inter], requires_grad=False)
+        self.up_proj.weight = nn.Parameter(w[inter:], requires_grad=False)
+        self.gate_up = w
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and not self.training:
+            g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)
+            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -45,6 +45,48 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                                    bias=False)
         self.o_proj = nn.Linear(self.num_heads * cfg.v_head_dim, h, bias=bias)
+        self.decode_weights: tuple | None = None   # set by fuse_for_decode()
+
+    # ---- serving-time weight fusion --------------------------------------------------------
+    @torch.no_grad()
+    def fuse_for_decode(self) -> bool:
+        """Pre-absorbs kv_b_proj into the query and output projections for the decode path:
+
+            W_qa  = [q_a_proj | kv_a_proj_with_mqa]           one matmul for both down-projections
+            W_q   = per head [W_UK^T @ W_q_nope | W_q_rope]    q_c -> (q_latent, q_rope) directly
+            W_o   = per head o_proj[:, head] @ W_UV            latent output -> hidden directly
+
+        so a decode layer runs 3 matmuls instead of 4 plus two per-head einsums. Composed in float64 and
+        cast once. Skipped (returns False) when a projection is not a plain nn.Linear (quantized weights)
+        or when the absorbed weights would be more than twice the bytes they replace (large models such
+        as DeepSeek-V3, where absorbing at run time is cheaper)."""
+        linears = [self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj,
+                   *([self.q_a_proj, self.q_b_proj] if self.q_lora_rank is not None else [self.q_proj])]
+        if any(type(m) is not nn.Linear for m in linears) or self.o_proj.bias is not None:
+            return False
+        nh, dn, dr, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+        q_w = self.q_proj.weight if self.q_lora_rank is None else self.q_b_proj.weight   # [nh*(dn+dr), q_in]
+        absorbed = nh * (r + dr) * q_w.shape[1] + self.o_proj.weight.shape[0] * nh * r
+        replaced = q_w.numel() + self.o_proj.weight.numel() + self.kv_b_proj.weight.numel()
+        if absorbed > 2 * replaced:
+            return False
+        dtype = q_w.dtype
+        w_uk, w_uv = (w.double() for w in self._w_kv_b())                    # [nh, dn, r], [nh, dv, r]
+        q = q_w.double().view(nh, dn + dr, -1)
+        w_q = torch.cat([torch.einsum("hdr,hdi->hri", w_uk, q[:, :dn]), q[:, dn:]], dim=1)   # [nh, r+dr, q_in]
+        w_o = torch.einsum("ohv,hvr->ohr", self.o_proj.weight.double().view(-1, nh, self.v_head_dim), w_uv)
+        if self.q_lora_rank is not None:
+            w_a = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
+            b_a = (torch.cat([self.q_a_proj.bias, self.kv_a_proj_with_mqa.bias])
+                   if self.kv_a_proj_with_mqa.bias is not None else None)
+        else:   # no query down-projection: the absorbed query weight reads x itself
+            w_a = torch.cat([w_q.reshape(-1, w_q.shape[-1]).to(dtype), self.kv_a_proj_with_mqa.weight])
+            b_a = self.kv_a_proj_with_mqa.bias
+            if b_a is not None:
+                b_a = torch.cat([b_a.new_zeros(w_q.shape[0] * w_q.shape[1]), b_a])
+        self.decode_weights = (w_a.contiguous(), b_a, w_q.reshape(-1, w_q.shape[-1]).to(dtype).contiguous(),
+                               w_o.reshape(w_o.shape[0], -1).to(dtype).contiguous())
+        return True
 
     # ---- projections ---------------------------------------------------------------------
     def _project(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
@@ -98,23 +140,49 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
         """Serving path. x [T, hidden]; kv_cache [num_blocks, tokens_per_block, r+dr] (written in place)."""
+        if self.decode_weights is not None and meta.use_absorbed and meta.uniform_q:
+            return self._forward_decode_fused(x, rope, cos, sin, meta, kv_cache)
         q_nope, q_pe, kv = self._project(x, rope, cos, sin)
         flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
         flat_cache.index_copy_(0, meta.slot_mapping, kv.to(flat_cache.dtype))
-        pad_q = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])[meta.q_index]  # noqa: E731
-        q_nope_b, q_pe_b = pad_q(q_nope), pad_q(q_pe)                          # [B, Q, H, *]
         if meta.use_absorbed and meta.uniform_q:
-            # decode / verification rows: the paged MLA decode op (native when built) reads the cache in place
+            # decode / verification rows (Q tokens each, row after row): the paged MLA decode op (native when
+            # built) reads the cache in place
+            B = meta.num_rows
             w_uk, w_uv = self._w_kv_b()
-            q_lat = torch.einsum("bqhd,hdr->bqhr", q_nope_b, w_uk)              # [B, Q, H, r]
-            o_lat, _ = kernels.mla_decode(q_lat.contiguous(), q_pe_b.contiguous(), kv_cache,
+            q_lat = torch.einsum("tnd,ndr->tnr", q_nope, w_uk)                  # [T, H, r]
+            o_lat, _ = kernels.mla_decode(q_lat.reshape(B, -1, *q_lat.shape[1:]).contiguous(),
+                                          q_pe.reshape(B, -1, *q_pe.shape[1:]).contiguous(), kv_cache,
                                           meta.block_tables_i32, meta.seqlens_i32, self.softmax_scale)
-            out = torch.einsum("bqhr,hvr->bqhv", o_lat.to(x.dtype), w_uv)       # [B, Q, H, dv]
+            out = torch.einsum("tnr,nvr->tnv", o_lat.to(x.dtype).flatten(0, 1), w_uv)   # [T, H, dv]
         else:
+            pad_q = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])[meta.q_index]  # noqa: E731
             keys = flat_cache[meta.kv_slots].to(x.dtype)                      # [B, L, r+dr]
-            out = self.attend(q_nope_b, q_pe_b, keys, meta.visible(), meta.use_absorbed)   # [B, Q, H, dv]
-        out = out[meta.q_valid]                                               # [T, H, dv]
+            out = self.attend(pad_q(q_nope), pad_q(q_pe), keys, meta.visible(), meta.use_absorbed)  # [B, Q, H, dv]
+            out = out[meta.q_valid]                                           # [T, H, dv]
         return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def _forward_decode_fused(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                              meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Decode / verification rows (every row feeds Q tokens, laid out row after row) with the weights
+        of fuse_for_decode(): no padding, no per-head einsum."""
+        w_a, b_a, w_q, w_o = self.decode_weights
+        nh, r, dr = self.num_heads, self.kv_lora_rank, self.qk_rope_head_dim
+        a = F.linear(x, w_a, b_a)
+        if self.q_lora_rank is None:
+            q, kv = a.split([nh * (r + dr), r + dr], dim=-1)
+        else:
+            q_c, kv = a.split([self.q_lora_rank, r + dr], dim=-1)
+            q = F.linear(self.q_a_layernorm(q_c), w_q)
+        q_lat, q_pe = q.view(-1, nh, r + dr).split([r, dr], dim=-1)
+        ckv, k_pe = kv.split([r, dr], dim=-1)
+        kv = torch.cat([self.kv_a_layernorm(ckv), rope.apply(k_pe, cos, sin, has_heads=False)], dim=-1)
+        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, meta.slot_mapping, kv.to(kv_cache.dtype))
+        B = meta.num_rows
+        q_pe = rope.apply(q_pe, cos, sin, has_heads=True)
+        o_lat, _ = kernels.mla_decode(q_lat.reshape(B, -1, nh, r), q_pe.reshape(B, -1, nh, dr), kv_cache,
+                                      meta.block_tables_i32, meta.seqlens_i32, self.softmax_scale)
+        return F.linear(o_lat.to(x.dtype).reshape(x.shape[0], nh * r), w_o)
 
     def forward_dense(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                       absorbed: bool = False) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """DeepSeek MoE: sigmoid router with group-limited top-k (noaux_tc), routed + shared experts."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,18 +50,83 @@ class MoE(nn.Module):
                                      for _ in range(int(cfg.n_routed_experts)))
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None   # set by fuse_for_decode()
+
+    # Batches of at most this many tokens run every expert densely when fused (see fuse_for_decode), if
+    # they pick at least half the experts' worth of (token, expert) pairs (a single token's 2 of 8 experts
+    # read fewer bytes the sparse way).
+    DENSE_MAX_TOKENS = 16
+    # ... and only when all expert weights together are at most this many bytes.
+    DENSE_MAX_BYTES = 16 << 20
+
+    _force_dense = False
+
+    @classmethod
+    @contextlib.contextmanager
+    def dense_only(cls):
+        """Within: every fused MoE runs the dense path whatever the batch (static shapes, no host sync),
+        as the CUDA-graph decode step needs."""
+        cls._force_dense = True
+        try:
+            yield
+        finally:
+            cls._force_dense = False
+
+    @torch.no_grad()
+    def fuse_for_decode(self) -> bool:
+        """Stacks the routed experts (and a same-sized shared expert as one more) into
+        W13 [(E+1) * 2I, H] (gate | up per expert) and W2 [E+1, H, I]; the experts' own weights become views
+        of these, so memory does not grow. A small batch (decode, verification, MTP drafts) then runs all
+        experts at once in 2 matmuls + 1 batched matmul, with the router weights (0 for unchosen experts,
+        1 for the shared one) applied before the down projection, instead of ~8 small ops per chosen
+        expert. The dense work reads every expert's weights, so it is only used while they are small
+        (DENSE_MAX_BYTES): a tiny model's step is dominated by per-op cost, not bytes."""
+        mlps = [*self.experts, *([self.shared_experts] if self.shared_experts is not None else [])]
+        if type(self) is not MoE or any(type(m) is not MLP or any(type(l) is not nn.Linear for l in (m.gate_proj, m.up_proj, m.down_proj))
+               for m in mlps):
+            return False
+        inter = self.experts[0].gate_proj.weight.shape[0]
+        if self.shared_experts is not None and self.shared_experts.gate_proj.weight.shape[0] != inter:
+            return False
+        w = self.experts[0].gate_proj.weight
+        if len(mlps) * 3 * w.numel() * w.element_size() > self.DENSE_MAX_BYTES:
+            return False
+        w13 = torch.stack([torch.cat([m.gate_proj.weight, m.up_proj.weight]) for m in mlps])   # [E+1, 2I, H]
+        w2 = torch.stack([m.down_proj.weight for m in mlps])                                   # [E+1, H, I]
+        for e, m in enumerate(mlps):
+            m.gate_proj.weight = nn.Parameter(w13[e, :inter], requires_grad=False)
+            m.up_proj.weight = nn.Parameter(w13[e, inter:], requires_grad=False)
+            m.down_proj.weight = nn.Parameter(w2[e], requires_grad=False)
+        self.stacked = (w13.view(-1, w13.shape[-1]), w2)
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden]. Each expert runs only on the tokens routed to it."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.gate(x)                                               # [T, k]
+        if self.stacked is not None and not self.training and (MoE._force_dense or (
+                x.shape[0] <= self.DENSE_MAX_TOKENS and 2 * idx.numel() >= len(self.experts))):
+            return self.dense(x, weights, idx).view(shape)
         if self.training:   # expert loads, for aux-loss-free balancing of e_score_correction_bias
             self.load_counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).detach()
         out = self.routed(x, weights, idx)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(shape)
+
+    def dense(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, mixed by the router weights (0 where unchosen): same result as
+        routed() + shared, with static shapes (no host sync)."""
+        w13, w2 = self.stacked
+        n, inter = w2.shape[0], w2.shape[2]
+        mix = torch.zeros(x.shape[0], n, dtype=x.dtype, device=x.device)
+        mix.scatter_(1, idx, weights.to(x.dtype))
+        if self.shared_experts is not None:
+            mix[:, -1] = 1.0
+        h = F.linear(x, w13).view(x.shape[0], n, 2, inter)
+        a = F.silu(h[:, :, 0]) * h[:, :, 1] * mix.unsqueeze(-1)                  # [T, E+1, I]
+        return torch.bmm(a.transpose(0, 1), w2.transpose(1, 2)).sum(0)           # [T, H]
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         flat_idx = idx.flatten()                                                  # [T*k]

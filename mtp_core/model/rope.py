@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from mtp_core import kernels
 from mtp_core.config import ModelConfig, yarn_get_mscale
 
 
@@ -64,6 +65,8 @@ class RotaryEmbedding:
         [rotated evens | rotated odds], as Hugging Face does. q and k get the same layout, so dot
         products are unchanged and the cache stores keys in that layout.
         """
+        if x.dim() == (3 if has_heads else 2) and cos.dim() == 2:   # serving layout: [T, (heads,) dim]
+            return kernels.rope(x, cos, sin, self.interleave)
         if has_heads:
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)

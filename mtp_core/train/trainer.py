@@ -70,7 +70,8 @@ def lr_at(recipe: Recipe, step: int) -> float:
             return recipe.lr * (step + 1) / recipe.warmup_steps
         t = min((step - recipe.warmup_steps) / max(total - recipe.warmup_steps, 1), 1.0)
         return floor + (recipe.lr - floor) * 0.5 * (1 + math.cos(math.pi * t))
-    length, peak, warmup = args
+    length, peak, warmup, *rest = args
+    floor = rest[0] if rest else floor
     if step - start < warmup:
         return peak * (step - start + 1) / warmup
     t = min((step - start - warmup) / max(length - warmup, 1), 1.0)

@@ -1,0 +1,201 @@
+"""The whole decode step with static shapes, for CUDA graphs (`cuda_graph_config`).
+
+A pure-decode batch of B rows, each feeding [t, d_1..d_K] at positions start..start+K, runs as one
+function of fixed-size buffers, with no host sync anywhere inside:
+
+    target  = model([t, d_1..d_K])                      # writes main KV at start..start+K
+    m       = accepted drafts per row                   # greedy strict, or relaxed for thinking rows
+    emitted = [d_1..d_m, target argmax at m]            # n = m + 1 tokens, padded to K+1
+    g       = MTP(emitted, target hidden)               # Eagle forward 1 over all K+1 positions
+    D_1     = argmax head(g[m]);  D_j = MTP chain at start+m+j (j = 1..K-1)
+
+Forward 1 covers the fixed K+1 positions instead of only the m+1 newly valid ones; the entries past
+start+m are rewritten by the chain in this step or by the next step's forward 1 before anything reads
+them (each query only sees keys at or before its own position), so the MTP caches hold exactly what
+the eager drafter writes and eager and graph steps can alternate freely.
+
+Graphs are captured per batch size (cuda_graph_config.batch_sizes, default 1, 2, 4, 8, ... up to
+max_batch_size); a batch pads up to the nearest captured size with rows that read and write only a
+reserved scratch block. On a CPU the same function runs eagerly over the same buffers (that is what the
+CPU tests check against the regular step); on CUDA it is captured once and replayed.
+Out of scope (the step then runs eagerly): prefill rows, sampled rows (temperature > 0), MTP Vanilla,
+and models whose MoE layers cannot run without a host sync (large experts: see MoE.fuse_for_decode).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from mtp_core.engine.scheduler import ScheduledRow
+from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+from mtp_core.model.moe import MoE
+
+log = logging.getLogger("mtp.graphs")
+
+
+def default_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, ... and max_batch_size itself."""
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch_size]
+
+
+def static_step_unsupported(model: DeepseekV3ForCausalLM, mode: Optional[str], K: int) -> Optional[str]:
+    """Why this model / drafting mode cannot run the static step (None when it can)."""
+    if K and mode != "eagle":
+        return "the static step drafts in MTP Eagle mode only (Vanilla runs eagerly)"
+    for i, layer in enumerate(model.model.layers[: model.num_main_layers + (1 if K else 0)]):
+        mlp = layer.mlp
+        if hasattr(mlp, "experts") and getattr(mlp, "stacked", None) is None:
+            return f"layer {i}'s MoE has no static (dense) form; its experts are too large or quantized"
+    return None
+
+
+class StaticDecodeStep:
+    """Buffers and the static computation for one batch size B (see the module docstring)."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int, batch_size: int,
+                 max_blocks: int, tokens_per_block: int, scratch_block: int,
+                 relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
+        self.model, self.caches, self.K, self.B = model, caches, K, batch_size
+        self.bs, self.scratch, self.relaxed = tokens_per_block, scratch_block, relaxed
+        B, Q = batch_size, K + 1
+        # inputs
+        self.input_ids = torch.zeros(B, Q, dtype=torch.long, device=device)
+        self.start = torch.zeros(B, dtype=torch.long, device=device)
+        self.block_tables = torch.full((B, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.thinking = torch.zeros(B, dtype=torch.bool, device=device)
+        self.offsets = torch.arange(Q, device=device)
+        self.rows = torch.arange(B, device=device)
+        # outputs
+        self.emitted = torch.zeros(B, Q, dtype=torch.long, device=device)
+        self.num_emitted = torch.ones(B, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(B, K, dtype=torch.long, device=device)
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+
+    # ---- the static computation -------------------------------------------------------------
+    def _meta(self, positions: torch.Tensor) -> AttentionMetadata:
+        """positions [B, Q] -> metadata of a uniform step (slots looked up in the block tables on device)."""
+        tables = self.block_tables.long()
+        slots = tables.gather(1, positions // self.bs) * self.bs + positions % self.bs
+        return AttentionMetadata.uniform(positions.flatten(), slots.flatten(), self.block_tables,
+                                         (positions[:, -1] + 1).to(torch.int32))
+
+    def _verify(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [B, K+1, V] -> (m accepted drafts [B], emitted [B, K+1]); mirrors verifier.py."""
+        target = logits.argmax(-1)                                              # [B, K+1]
+        drafts = self.input_ids[:, 1:]                                          # [B, K]
+        match = drafts == target[:, :-1]
+        if self.relaxed is not None:
+            topk, delta = self.relaxed
+            probs = torch.softmax(logits[:, :-1].float(), dim=-1)
+            top = probs.topk(min(topk, probs.shape[-1]), dim=-1)
+            counted = top.values >= top.values[..., :1] - delta
+            counted[..., 0] = True
+            relaxed_match = ((top.indices == drafts.unsqueeze(-1)) & counted).any(-1)
+            match = torch.where(self.thinking.unsqueeze(-1), relaxed_match, match)
+        m = match.int().cumprod(dim=-1).sum(-1)                                 # [B]
+        # the accepted drafts (under strict equal to the target's choices), then the target's token at m;
+        # past m: the target's choices (never emitted, only fed to forward 1's throwaway entries)
+        drafts_padded = torch.cat([drafts, target[:, -1:]], dim=1)             # [B, K+1]
+        return m, torch.where(self.offsets[None, :] < m[:, None], drafts_padded, target)
+
+    def forward(self) -> None:
+        with MoE.dense_only():
+            self._forward()
+
+    def _forward(self) -> None:
+        model, caches, K = self.model, self.caches, self.K
+        positions = self.start[:, None] + self.offsets                          # [B, K+1]
+        meta = self._meta(positions)
+        hidden = model(self.input_ids.flatten(), meta, caches)                  # [B*(K+1), H]
+        logits = model.compute_logits(hidden).view(self.B, K + 1, -1)
+        m, emitted = self._verify(logits)
+        self.emitted.copy_(emitted)
+        self.num_emitted.copy_(m + 1)
+        if not K:
+            return
+        # Eagle forward 1 over every position: (x_{q+1}, h_q) entries, the valid ones are q <= start+m
+        g = model.mtp_forward(0, emitted.flatten(), hidden, meta, caches).view(self.B, K + 1, -1)
+        g = g[self.rows, m]                                                     # [B, H] at q = start+m
+        d = model.compute_logits(g).argmax(-1)
+        self.drafts[:, 0].copy_(d)
+        for j in range(1, K):
+            pos = (self.start + m + j)[:, None]                                 # [B, 1]
+            g = model.mtp_forward(0, d, g, self._meta(pos), caches)
+            d = model.compute_logits(g).argmax(-1)
+            self.drafts[:, j].copy_(d)
+
+    # ---- host side ---------------------------------------------------------------------------
+    def load(self, rows: list[ScheduledRow]) -> None:
+        """Copies a batch (<= B rows) into the input buffers; the rest become scratch rows."""
+        Q = self.K + 1
+        ids = torch.zeros(self.B, Q, dtype=torch.long)
+        start = torch.zeros(self.B, dtype=torch.long)
+        tables = torch.full(tuple(self.block_tables.shape), self.scratch, dtype=torch.int32)
+        thinking = torch.zeros(self.B, dtype=torch.bool)
+        for b, r in enumerate(rows):
+            ids[b] = torch.tensor(r.token_ids)
+            start[b] = r.start
+            tables[b, :len(r.seq.block_table)] = torch.tensor(r.seq.block_table, dtype=torch.int32)
+            thinking[b] = r.seq.in_thinking
+        for buf, src in ((self.input_ids, ids), (self.start, start), (self.block_tables, tables),
+                         (self.thinking, thinking)):
+            buf.copy_(src)
+
+    def capture(self, pool=None) -> None:
+        """CUDA only: two warm-up runs on a side stream, then capture (the buffers hold scratch rows, so
+        capture-time writes land in the scratch block)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool), torch.inference_mode():
+            self.forward()
+
+    def run(self, rows: list[ScheduledRow]) -> tuple[list[list[int]], list[list[int]]]:
+        """-> (emitted tokens per row, next drafts per row), one device-to-host copy."""
+        self.load(rows)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            with torch.inference_mode():
+                self.forward()
+        emitted, n, drafts = (t[: len(rows)].cpu().tolist() for t in (self.emitted, self.num_emitted, self.drafts))
+        return [e[:k] for e, k in zip(emitted, n)], drafts
+
+
+class GraphRunner:
+    """One StaticDecodeStep per captured batch size; picks the smallest that holds a batch."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int, batch_sizes: list[int],
+                 enable_padding: bool, max_blocks: int, tokens_per_block: int, scratch_block: int,
+                 relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
+        self.K, self.enable_padding = K, enable_padding
+        self.steps = {b: StaticDecodeStep(model, caches, K, b, max_blocks, tokens_per_block, scratch_block,
+                                          relaxed, device) for b in sorted(set(batch_sizes))}
+        self.num_replays = 0
+        if device.type == "cuda":
+            pool = None
+            for b in sorted(self.steps, reverse=True):        # largest first: smaller graphs reuse its pool
+                self.steps[b].capture(pool)
+                pool = self.steps[b].graph.pool()
+            log.info("captured CUDA graphs of the decode step for batch sizes %s", sorted(self.steps))
+        else:
+            log.info("static decode step for batch sizes %s (no CUDA: run eagerly, not captured)",
+                     sorted(self.steps))
+
+    def step_for(self, rows: list[ScheduledRow]) -> Optional[StaticDecodeStep]:
+        """The static step that can run this batch, or None (it then runs eagerly)."""
+        if not rows or any(r.is_prefill or not r.seq.params.greedy or len(r.token_ids) != self.K + 1
+                           for r in rows):
+            return None
+        fits = [b for b in self.steps if b >= len(rows) and (b == len(rows) or self.enable_padding)]
+        return self.steps[min(fits)] if fits else None
