@@ -3,7 +3,9 @@
 #   1. build mtp_core._C and mtp_core._C_cuda in place against this machine's torch,
 #   2. run every test marked `gpu`,
 #   3. time the FP8 MLA decode kernel (batch 1..64) against a measured device-to-device copy and
-#      the weight-only NVFP4 GEMM against the bytes of its weights; print one table each.
+#      the weight-only NVFP4 GEMM against the bytes of its weights; print one table each;
+#   4. time a decode step of the shipped model eagerly and with CUDA graphs (K = 0 and 3, batch 1 and 4)
+#      and check that both give the same tokens.
 # Env: MTP_CORE_CUDA_ARCHS (default: this GPU's arch only), MAX_JOBS, PYTHON, SKIP_TESTS=1, SKIP_BENCH=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -110,6 +112,34 @@ for n, k in ((7168, 2048), (2048, 7168), (4096, 7168)):
         us = graph_time_us([lambda w=w, s=s: nvfp4_gemm(x, w, s, scale_2) for w, s in weights])
         gbs = (n * k // 2 + n * k // 16) / us / 1e3
         print(f"{n:>5} {k:>5} {m:>3} {us:>8.1f} {gbs:>7.0f} {100 * gbs / copy_gbs:>5.0f}%")
+
+print("\nDecode step of the shipped tiny-r1 (bf16), eager vs CUDA graphs (the whole step: target, verification,")
+print("K Eagle drafts), greedy, prompts x 96 tokens; the same tokens are required")
+import time
+from mtp_core.config import CudaGraphConfig, LLMConfig, SpeculativeConfig
+from mtp_core.llm import LLM
+from mtp_core.sampling import SamplingParams
+prompts = ["What is 347 + 285?", "Sort these numbers: 42, 7, 19, 88, 3", "Add 2012 and 346.",
+           "How many times does the letter r appear in strawberry?"]
+print(f"{'K':>2} {'B':>2} {'eager ms/step':>14} {'graph ms/step':>14} {'speed-up':>9} {'same':>5}")
+for K in (0, 3):
+    for batch in (1, 4):
+        res = {}
+        for cg in (None, CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True)):
+            spec = SpeculativeConfig(num_nextn_predict_layers=K, mtp_mode="eagle") if K else None
+            llm = LLM(LLMConfig(model_dir="mtp_core/assets/tiny-r1", dtype="bfloat16", device="cuda",
+                                max_batch_size=4, speculative_config=spec, cuda_graph_config=cg))
+            sp = SamplingParams(max_tokens=96, ignore_eos=True)
+            llm.generate(prompts[:batch], sp)
+            torch.cuda.synchronize()
+            s0, t = llm.engine.num_steps, time.perf_counter()
+            outs = llm.generate(prompts[:batch], sp)
+            torch.cuda.synchronize()
+            res[cg is not None] = (1e3 * (time.perf_counter() - t) / (llm.engine.num_steps - s0),
+                                   [o.token_ids for o in outs])
+        same = res[True][1] == res[False][1]
+        print(f"{K:>2} {batch:>2} {res[False][0]:>14.2f} {res[True][0]:>14.2f} "
+              f"{res[False][0] / res[True][0]:>8.2f}x {str(same):>5}")
 EOF
 fi
 stamp "done"

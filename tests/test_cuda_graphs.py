@@ -117,3 +117,28 @@ def test_captured_graphs_equal_eager_on_gpu(tiny1_dir, K) -> None:
         stats.append((eng.stats.num_draft_proposed, eng.stats.num_draft_accepted))
     assert all(s.graph is not None for s in eng.graphs.steps.values()) and eng.graphs.num_replays > 0
     assert outs[0] == outs[1] and stats[0] == stats[1]
+
+
+def test_static_step_never_reads_a_tensor_on_the_host(models, monkeypatch) -> None:
+    """What a CUDA graph cannot hold: .item(), .tolist(), bool()/int() of a tensor (data-dependent host
+    control flow). The static computation must do none of them (checked on CPU, where it runs eagerly)."""
+    model = models["tiny3"]
+    eng = make_engine(model, nextn=3, mode="eagle", max_batch_size=2, cuda_graph_config=graphs(2),
+                      spec=dict(use_relaxed_acceptance_for_thinking=True, relaxed_topk=4, relaxed_delta=0.5))
+    static = eng.graphs.steps[2]
+    original = static.forward
+    calls = []
+
+    def guarded() -> None:
+        def refuse(name):
+            def f(self, *a, **k):
+                raise AssertionError(f"host read inside the static step: Tensor.{name}")
+            return f
+        with monkeypatch.context() as mp:
+            for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero", "cpu", "numpy"):
+                mp.setattr(torch.Tensor, name, refuse(name))
+            original()
+        calls.append(1)
+    static.forward = guarded
+    seqs = run_to_end(eng, [PROMPTS[3], [100, THINK_IDS[0], 7]], greedy(12))
+    assert calls and seqs[0].output_ids == reference(model, PROMPTS[3], 12)
