@@ -136,7 +136,7 @@ def quickstart_command(
                                                     help="Pad a batch up to the next captured size."),
     disable_overlap_scheduler: bool = typer.Option(
         False, "--disable_overlap_scheduler",
-        help="Turn the overlap scheduler off (it prepares the next step while MTP drafts)."),
+        help="Turn the overlap scheduler off (it prepares the next step while MTP drafts; GPU only, off on CPU)."),
     enable_chunked_prefill: bool = typer.Option(False, "--enable_chunked_prefill",
                                                 help="Split long prompts over steps."),
     print_iter_log: bool = typer.Option(False, "--print_iter_log", help="One stderr line per engine step."),

@@ -291,6 +291,9 @@ class LLMConfig:
     cuda_graph_config: Optional[CudaGraphConfig] = None
     moe_config: MoeConfig = field(default_factory=MoeConfig)
     disable_overlap_scheduler: bool = False
+    # The overlap scheduler hides host work behind device compute; on a CPU both share the same cores and
+    # it measured slower (BENCHMARKS.md), so it runs there only when this is set (the tests set it).
+    overlap_scheduler_on_cpu: bool = False
     enable_chunked_prefill: bool = False
     print_iter_log: bool = False
     tensor_parallel_size: int = 1

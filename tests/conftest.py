@@ -107,6 +107,7 @@ def llm_config(model_dir: str | Path = "", nextn: int = 0, mode: str = "auto", m
                tokens_per_block: int = 8, spec: Optional[dict[str, Any]] = None, **fields: Any) -> LLMConfig:
     """LLMConfig with a small explicit KV pool; nextn > 0 turns MTP on (mode: auto | eagle | vanilla)."""
     spec_cfg = SpeculativeConfig(num_nextn_predict_layers=nextn, mtp_mode=mode, **(spec or {})) if nextn else None
+    fields.setdefault("overlap_scheduler_on_cpu", True)     # keep the overlap path under test on CPU
     return LLMConfig(model_dir=str(model_dir), dtype="float32", speculative_config=spec_cfg,
                      kv_cache_config=KvCacheConfig(max_tokens=max_tokens_kv, tokens_per_block=tokens_per_block),
                      **fields)

@@ -136,17 +136,20 @@ def test_training_texts_are_deterministic_and_mixed() -> None:
 def test_eval_sets_are_deterministic_and_disjoint_from_training(tmp_path) -> None:
     paths = write_eval_sets(tmp_path / "a", per_family=40, seed=5)
     again = write_eval_sets(tmp_path / "b", per_family=40, seed=5)
-    assert [p.name for p in paths] == [f"eval_{t}.jsonl" for t in FAMILIES]
+    assert [p.name for p in paths] == [f"eval_{t}.jsonl" for t in FAMILIES] + ["eval_add_3digit.jsonl"]
     assert [p.read_bytes() for p in paths] == [p.read_bytes() for p in again]
     eval_keys = set()
     for path in paths:
         records = load_eval_set(path)
         assert len(records) == 40 and all(set(r) == {"task", "question", "prompt", "answer"} for r in records)
-        keys = {question_key(r["task"], r["question"]) for r in records}
+        family = "add" if records[0]["task"] == "add_3digit" else None
+        keys = {question_key(family or r["task"], r["question"]) for r in records}
         assert len(keys) == 40                          # distinct questions
         for r in records:
-            assert family_of(r["question"]) == r["task"]
-            assert r["answer"] == expected_answer(r["task"], r["question"])
+            assert family_of(r["question"]) == (family or r["task"])
+            assert r["answer"] == expected_answer(family or r["task"], r["question"])
+            if family:                                  # the 3-digit target set: both operands 3 digits
+                assert [len(n) for n in re.findall(r"\d+", r["question"])] == [3, 3]
             assert r["prompt"].endswith(r["question"] + "<｜Assistant｜>" + THINK_START + "\n")
         eval_keys |= keys
     for seed in (0, 1):

@@ -17,7 +17,7 @@ from mtp_core.chat_format import render_completion, render_prompt
 from mtp_core.data import general_text
 from mtp_core.data.phrasing import Trace, maybe, ngram_predictability
 from mtp_core.data.scoring import format_answer
-from mtp_core.data.tasks import FAMILY_SPECS, generate, render, sample_operands
+from mtp_core.data.tasks import FAMILY_SPECS, generate, render, sample_operands, split_of
 
 FAMILIES: list[str] = list(FAMILY_SPECS)
 
@@ -88,8 +88,11 @@ def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15)
             yield chunk
 
 
-def eval_records(family: str, per_family: int = 50, seed: int = 1234) -> list[dict]:
-    """`per_family` distinct held-out questions of `family` (distinct canonical operands)."""
+def eval_records(family: str, per_family: int = 50, seed: int = 1234, operand_digits: int | None = None,
+                 task: str | None = None) -> list[dict]:
+    """`per_family` distinct held-out questions of `family` (distinct canonical operands); with
+    `operand_digits`, only questions whose integer operands all have that many digits (records then carry
+    `task`, e.g. "add_3digit")."""
     _check_family(family)
     if per_family < 1:
         raise ValueError(f"per_family must be >= 1, got {per_family}")
@@ -100,24 +103,44 @@ def eval_records(family: str, per_family: int = 50, seed: int = 1234) -> list[di
         if len(records) == per_family:
             return records
         ops = sample_operands(family, rng, "eval")
+        if operand_digits is not None:
+            ops = _with_digits(family, ops, operand_digits, rng)
+            if ops is None:
+                continue
         key = FAMILY_SPECS[family].canonical(ops)
         if key in seen:
             continue
         seen.add(key)
         ex = example_for(family, ops, rng)
-        records.append({"task": family, "question": ex.question, "prompt": ex.prompt, "answer": ex.answer})
+        records.append({"task": task or family, "question": ex.question, "prompt": ex.prompt, "answer": ex.answer})
     raise ValueError(f"only {len(records)} distinct held-out {family} questions exist; lower per_family")
 
 
+# Target sets beside the families: (file stem / task name, family, operand digits).
+TARGET_SETS = (("add_3digit", "add", 3),)
+
+
+def _with_digits(family: str, ops: tuple, digits: int, rng: random.Random) -> tuple | None:
+    """Held-out operands of `family` with `digits`-digit integers: redrawn until the split agrees."""
+    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
+    for _ in range(1000):
+        cand = tuple(rng.randint(lo, hi) if isinstance(o, int) else o for o in ops)
+        if split_of(family, cand) == "eval":
+            return cand
+    return None
+
+
 def write_eval_sets(out_dir: Path, per_family: int = 50, seed: int = 1234) -> list[Path]:
-    """Write eval_<family>.jsonl for every family into `out_dir`; returns the paths in FAMILIES order."""
+    """Write eval_<family>.jsonl for every family, then the TARGET_SETS (eval_add_3digit.jsonl), into
+    `out_dir`; returns the paths in that order."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    sets = [(family, eval_records(family, per_family, seed)) for family in FAMILIES]
+    sets += [(name, eval_records(family, per_family, seed, digits, name)) for name, family, digits in TARGET_SETS]
     paths = []
-    for family in FAMILIES:
-        path = out / f"eval_{family}.jsonl"
-        lines = [json.dumps(r, ensure_ascii=False) for r in eval_records(family, per_family, seed)]
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for name, records in sets:
+        path = out / f"eval_{name}.jsonl"
+        path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n", encoding="utf-8")
         paths.append(path)
     return paths
 

@@ -7,7 +7,8 @@
     drafts = drafter.propose(inputs)     # K MTP forwards per row -> next drafts
     rewind(rows, drafts)                 # store drafts, drop KV of rejected drafts, free finished
 
-Overlap scheduler (default; --disable_overlap_scheduler turns it off): once step N is committed, the
+Overlap scheduler (default on a GPU; --disable_overlap_scheduler turns it off; on a CPU, where host work
+and compute share the cores, it is off unless LLMConfig.overlap_scheduler_on_cpu): once step N is committed, the
 next step's schedule and attention metadata (positions, slots, block tables: everything but the draft
 token ids) are prepared on a worker thread while step N's K MTP forwards run; the drafts are filled in
 afterwards. Continuing sequences then keep their reserved tail blocks (the next step needs them again)
@@ -78,7 +79,8 @@ class Engine:
         self.iter_log = iter_log
         self.num_steps = 0
         self.graphs = self._make_graphs(num_blocks) if cfg.cuda_graph_config is not None else None
-        self.overlap = not cfg.disable_overlap_scheduler and self.drafter is not None
+        self.overlap = (not cfg.disable_overlap_scheduler and self.drafter is not None
+                        and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
         self._prepared: Optional[tuple[list[ScheduledRow], AttentionMetadata]] = None
 

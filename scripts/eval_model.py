@@ -1,0 +1,42 @@
+"""Exact-match accuracy of a checkpoint on the held-out eval sets (every family + the 3-digit addition
+target set), greedy with MTP (lossless, so the answers are those of plain greedy decoding), EOS honoured.
+
+    python scripts/eval_model.py [MODEL_DIR] [--per_task 50] [--max_tokens 512] [--json OUT]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from mtp_core.config import LLMConfig, SpeculativeConfig
+from mtp_core.data import FAMILIES, score
+from mtp_core.data.dataset import TARGET_SETS, eval_records
+from mtp_core.llm import LLM
+from mtp_core.sampling import SamplingParams
+
+ap = argparse.ArgumentParser()
+ap.add_argument("model_dir", nargs="?", default="mtp_core/assets/tiny-r1")
+ap.add_argument("--per_task", type=int, default=50)
+ap.add_argument("--max_tokens", type=int, default=512)
+ap.add_argument("--threads", type=int, default=2)
+ap.add_argument("--json")
+args = ap.parse_args()
+torch.set_num_threads(args.threads)
+records = [r for f in FAMILIES for r in eval_records(f, args.per_task)]
+records += [r for name, family, digits in TARGET_SETS for r in eval_records(family, args.per_task, 1234, digits, name)]
+llm = LLM(LLMConfig(model_dir=args.model_dir, dtype="float32", max_batch_size=16,
+                    speculative_config=SpeculativeConfig(num_nextn_predict_layers=3, mtp_mode="eagle")))
+t0 = time.perf_counter()
+outs = llm.generate([llm.tokenizer.encode(r["prompt"], add_special_tokens=False) for r in records],
+                   SamplingParams(max_tokens=args.max_tokens))
+acc = score(records, [o.text for o in outs])
+print(f"{len(records)} questions in {time.perf_counter() - t0:.0f} s ({args.model_dir})")
+print("| task | exact match |\n| --- | --- |")
+for task, a in acc.items():
+    print(f"| {task} | {100 * a:.0f}% |")
+if args.json:
+    with open(args.json, "w") as f:
+        json.dump({"per_task": args.per_task, "max_tokens": args.max_tokens, "accuracy": acc}, f, indent=2)
