@@ -170,13 +170,14 @@ def _until_eos(ids: list[int], eos: list[int]) -> list[int]:
 def _accuracy(sw, model, base, eos, think, tok, settings, per_family: int, max_tokens: int, concurrency: int) -> dict:
     from mtp_core.bench.progress import request_progress
     from mtp_core.data import FAMILIES
-    from mtp_core.data.dataset import eval_records
+    from mtp_core.data.dataset import TARGET_SETS, eval_records
 
     relaxed = next((s for s in settings if s.relaxed), None)
     if relaxed is None:
         raise ValueError("--accuracy needs the relaxed setting; set --relaxed_nextn and --max_nextn >= 1")
     strict = sw.Setting(relaxed.mode, relaxed.K)
     records = [r for f in FAMILIES for r in eval_records(f, per_family)]
+    records += [r for name, family, digits in TARGET_SETS for r in eval_records(family, per_family, 1234, digits, name)]
     with request_progress(2 * len(records), "accuracy") as advance:
         return sw.run_accuracy(model, base, eos, think, tok, records, strict, relaxed, max_tokens, concurrency,
                                on_finish=advance)

@@ -266,7 +266,7 @@ def test_sweep_cli(tmp_path: Path, tiny3_dir: Path) -> None:
         assert x["decoding_stats"]["num_output_tokens"] == 16 and x["floor_step_ms"] > 0
     assert rows[0]["acceptance_length"] == 1.0 and rows[0]["speedup"] == 1.0
     acc = rep["accuracy"]
-    assert set(acc["strict"]) == set(acc["relaxed"]) == {*FAMILIES, "overall"}
+    assert set(acc["strict"]) == set(acc["relaxed"]) == {*FAMILIES, "add_3digit", "overall"}
     assert all(0.0 <= v <= 1.0 for v in [*acc["strict"].values(), *acc["relaxed"].values()])
     assert (acc["strict_setting"], acc["relaxed_setting"]) == ("vanilla K=2", "vanilla K=2 relaxed(top10,d0.6)")
     assert "task set" in r.stdout and "overall" in r.stdout
