@@ -26,6 +26,14 @@ for k in (0, 3):
           f"per user {p['per_user_output_throughput_tps']:.1f} tok/s, AL {r['decoding_stats'].get('acceptance_length', 1.0):.2f}")
 PY
 done | tee "$out/batching.txt"
+echo "== general text: AL at K=3 (Vanilla and Eagle) on standard-library prompts"
+mtp prepare-dataset --task_set general --output "$out/general.jsonl" --num_requests 9 --output_tokens 128
+for mode in vanilla eagle; do
+  mtp bench --dataset "$out/general.jsonl" --num_requests 9 --concurrency 1 --num_threads $T --spec_decode_algo MTP \
+    --spec_decode_max_draft_len 3 --mtp_mode $mode --report_json "$out/general_$mode.json" > "$out/general_$mode.txt" 2>&1
+  python3 -c "import json,sys; d=json.load(open(sys.argv[1]))['decoding_stats']; print(sys.argv[2], 'AL', round(d['acceptance_length'], 3), 'per position', [round(x, 3) for x in d.get('acceptance_per_position', [])])" \
+    "$out/general_$mode.json" $mode
+done | tee "$out/general.txt"
 echo "== quantized checkpoints"
 python3 scripts/quant_eval.py --model_dir mtp_core/assets/tiny-r1 --per_family 10 --out "$out/quant" --threads 2 \
   | tee "$out/quant.txt"
