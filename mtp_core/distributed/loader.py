@@ -82,7 +82,7 @@ def load_model_sharded(model_dir: str | Path, dtype: str, device: str, par: Para
                     t = torch.zeros_like(t)
                 if quant is not None and name in linears:   # refuses a packed weight whose scales are missing
                     t = quant.dequantize(name, {name: t}, shape)             # type: ignore[arg-type]
-                state[name] = t.to(device=device, dtype=target)
+                state[name] = t.to(device=device, dtype=target, copy=True)   # aligned, as load_model
             if progress:
                 progress(i + 1, len(local))
     for mod_name, mod in packed_modules.items():

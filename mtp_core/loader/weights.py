@@ -100,7 +100,10 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                 continue
             state[name] = quant.dequantize(name, sub, shape).to(device=device, dtype=target)
         else:
-            state[name] = tensors[name].to(device=device, dtype=target)
+            # always a fresh, allocator-aligned copy: a tensor read from the file can sit at any byte offset,
+            # and BLAS picks its kernel (and so the rounding) by alignment, which would make two loads of the
+            # same weights disagree in the last bit
+            state[name] = tensors[name].to(device=device, dtype=target, copy=True)
     for mod_name, mod in quantized_modules.items():
         parent_name, _, attr = mod_name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, mod)

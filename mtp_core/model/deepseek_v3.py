@@ -46,13 +46,13 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # ---- serving (paged cache) -----------------------------------------------------------
     def fuse_for_decode(self) -> dict[str, int]:
-        """Serving-time weight fusion of every layer (MLA absorption, stacked experts, gate|up); each
-        module skips itself when its weights do not allow it. Returns how many modules were fused."""
-        fused = {"attention": 0, "moe": 0, "mlp": 0}
+        """Serving-time weight fusion of every layer (MLA absorption, stacked experts); each module skips
+        itself when its weights do not allow it. Returns how many modules were fused."""
+        fused = {"attention": 0, "moe": 0}
         for layer in self.model.layers:
             fused["attention"] += layer.self_attn.fuse_for_decode()
-            kind = "moe" if hasattr(layer.mlp, "experts") else "mlp"
-            fused[kind] += bool(getattr(layer.mlp, "fuse_for_decode", lambda: False)())
+            if hasattr(layer.mlp, "fuse_for_decode"):
+                fused["moe"] += layer.mlp.fuse_for_decode()
         return fused
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,

@@ -26,22 +26,6 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up: torch.Tensor | None = None   # [2I, H], set by fuse_for_decode()
-
-    @torch.no_grad()
-    def fuse_for_decode(self) -> bool:
-        """One [2I, H] matmul for gate and up (their weights become views of it) in inference."""
-        if type(self) is not MLP or type(self.gate_proj) is not nn.Linear or type(self.up_proj) is not nn.Linear:
-            return False
-        inter = self.gate_proj.weight.shape[0]
-        w = torch.cat([self.gate_proj.weight, self.up_proj.weight])
-        self.gate_proj.weight = nn.Parameter(w[:inter], requires_grad=False)
-        self.up_proj.weight = nn.Parameter(w[inter:], requires_grad=False)
-        self.gate_up = w
-        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None and not self.training:
-            g, u = F.linear(x, self.gate_up).chunk(2, dim=-1)
-            return self.down_proj(F.silu(g) * u)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -105,8 +105,11 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, idx = self.gate(x)                                               # [T, k]
-        if self.stacked is not None and not self.training and (MoE._force_dense or (
-                x.shape[0] <= self.DENSE_MAX_TOKENS and 2 * idx.numel() >= len(self.experts))):
+        # the dense path serves the paged engine's [T, hidden] batches; the reference / training layout
+        # [B, S, hidden] always takes the routed loop (so it stays the unfused reference)
+        serving = len(shape) == 2 and self.stacked is not None and not self.training
+        if serving and (MoE._force_dense or (x.shape[0] <= self.DENSE_MAX_TOKENS
+                                             and 2 * idx.numel() >= len(self.experts))):
             return self.dense(x, weights, idx).view(shape)
         if self.training:   # expert loads, for aux-loss-free balancing of e_score_correction_bias
             self.load_counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).detach()
