@@ -142,3 +142,17 @@ def test_static_step_never_reads_a_tensor_on_the_host(models, monkeypatch) -> No
     static.forward = guarded
     seqs = run_to_end(eng, [PROMPTS[3], [100, THINK_IDS[0], 7]], greedy(12))
     assert calls and seqs[0].output_ids == reference(model, PROMPTS[3], 12)
+
+
+def test_scratch_block_leaves_the_admission_pool(models) -> None:
+    """The static step keeps one block for padded rows: a prompt that needs the whole pool is refused at
+    admission (one-line error) instead of stalling the scheduler later."""
+    model = models["tiny1"]
+    prompt = list(range(10, 35))                                          # 25 tokens: needs 25 + 1 + 2K slots
+    eager = make_engine(model, nextn=2, mode="eagle", max_tokens_kv=32, tokens_per_block=8, max_batch_size=1)
+    run_to_end(eager, [prompt], greedy(2))
+    eng = make_engine(model, nextn=2, mode="eagle", max_tokens_kv=32, tokens_per_block=8, max_batch_size=1,
+                      cuda_graph_config=graphs(1))
+    assert eng.pool_tokens == eager.pool_tokens - 8
+    with pytest.raises(ValueError, match="KV slots"):
+        eng.add_request(prompt, greedy(2))

@@ -201,6 +201,10 @@ def test_fused_cpu_ops_match_refs(dtype, interleave) -> None:
         c, s = torch.randn(shape[0], shape[-1] // 2, generator=g), torch.randn(shape[0], shape[-1] // 2, generator=g)
         assert torch.equal(torch.ops.mtp_core.rope(x, c, s, interleave), kernels.rope_ref(x, c, s, interleave)), shape
     torch.library.opcheck(torch.ops.mtp_core.rms_norm.default, (x[:, 0], torch.ones(64, dtype=dtype), 1e-6))
+    # empty tensors: no work, no crash
+    assert torch.ops.mtp_core.rope(torch.zeros(3, 0, dtype=dtype), torch.zeros(3, 0), torch.zeros(3, 0),
+                                   interleave).shape == (3, 0)
+    assert torch.ops.mtp_core.rms_norm(torch.zeros(0, 8, dtype=dtype), torch.ones(8, dtype=dtype), 1e-6).shape == (0, 8)
     torch.library.opcheck(torch.ops.mtp_core.rope.default, (x, c, s, interleave))
 
 

@@ -92,7 +92,7 @@ at::Tensor rope_cpu(const at::Tensor& x, const at::Tensor& cos, const at::Tensor
               "rope (CPU): cos and sin must be float32 [", tokens, ", ", dim / 2, "]");
   const at::Tensor xc = x.contiguous(), cc = cos.contiguous(), sc = sin.contiguous();
   at::Tensor y = at::empty_like(xc);
-  const int64_t per_token = tokens ? xc.numel() / (tokens * dim) : 0;
+  const int64_t per_token = (tokens && dim) ? xc.numel() / (tokens * dim) : 0;
   if (x.scalar_type() == at::kFloat) {
     rope_rows(xc.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), y.data_ptr<float>(), tokens,
               per_token, dim, interleave);

@@ -12,6 +12,7 @@ Each broadcast is one [rows, 1 + K + 1] int64 tensor per step.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 from typing import Callable, Optional
@@ -25,6 +26,9 @@ from mtp_core.kv_cache.mla_cache import plan_num_blocks
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.speculative.drafter import DraftInput, Drafter
 from mtp_core.speculative.verifier import VerifyResult
+
+
+log = logging.getLogger("mtp.distributed")
 
 
 class BroadcastDrafter:
@@ -66,6 +70,11 @@ class DistributedEngine(Engine):
                  think_ids: Optional[tuple[int, int]] = None, drafter: Optional[Drafter] = None,
                  iter_log: Optional[Callable[[str], None]] = None) -> None:
         self.par = par
+        model.ensure_decode_fused()   # before the KV pool is sized from the memory that is left
+        if cfg.cuda_graph_config is not None and par.world_size > 1:
+            # the static step commits its own tokens; rank 0's broadcast (_verify, BroadcastDrafter) is not in it
+            log.warning("CUDA graphs are not combined with tensor / expert parallelism yet; running eagerly")
+            cfg = replace(cfg, cuda_graph_config=None)
         super().__init__(model, agreed_kv_config(model, cfg, par), eos_token_ids, think_ids, drafter,
                          iter_log if par.is_output_rank else None)
         if self.drafter is not None and par.world_size > 1:

@@ -56,9 +56,7 @@ class Engine:
         if self.relaxed and think_ids is None:
             raise ValueError("relaxed acceptance for thinking needs <think> and </think> tokens, but the tokenizer "
                              "has neither; drop --use_relaxed_acceptance_for_thinking")
-        if not getattr(model, "decode_fused", False):
-            log.info("decode weight fusion: %s", model.fuse_for_decode())
-            model.decode_fused = True
+        model.ensure_decode_fused()
         kv = cfg.kv_cache_config
         device = cfg.device
         dtype = next(model.parameters()).dtype
@@ -108,6 +106,7 @@ class Engine:
             return None
         scratch: list[int] = []
         self.blocks.reserve(scratch, 1)            # padded rows read and write only this block, forever
+        self.pool_tokens -= self.blocks.tokens_per_block
         sizes = [b for b in (cg.batch_sizes or default_batch_sizes(cg.max_batch_size or self.cfg.max_batch_size))
                  if b <= self.cfg.max_batch_size]
         relaxed = self.relaxed if self.relaxed and self.relaxed[0] > 1 and self.relaxed[1] > 0 else None

@@ -168,8 +168,9 @@ class StaticDecodeStep:
         else:
             with torch.inference_mode():
                 self.forward()
-        emitted, n, drafts = (t[: len(rows)].cpu().tolist() for t in (self.emitted, self.num_emitted, self.drafts))
-        return [e[:k] for e, k in zip(emitted, n)], drafts
+        K = self.K
+        out = torch.cat([self.emitted, self.num_emitted[:, None], self.drafts], dim=1)[: len(rows)].cpu().tolist()
+        return [row[: row[K + 1]] for row in out], [row[K + 2:] for row in out]
 
 
 class GraphRunner:

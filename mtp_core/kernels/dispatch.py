@@ -170,7 +170,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
     """Rotary embedding of x [T, ..., D] with cos/sin [T, D/2] (contract: fused_ref.py)."""
-    if (cos.dim() == 2 and x.dim() >= 2 and x.shape[0] == cos.shape[0] and cos.dtype == torch.float32
+    if (cos.dim() == 2 and x.dim() >= 2 and x.shape[0] == cos.shape[0] and cos.dtype == sin.dtype == torch.float32
             and _native_cpu_elementwise(x)):
         return torch.ops.mtp_core.rope(x, cos, sin, interleave)
     return rope_ref(x, cos, sin, interleave)

@@ -6,6 +6,8 @@ so `state_dict()` names equal the checkpoint names. The MTP modules share `model
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -15,6 +17,9 @@ from mtp_core.model.decoder_layer import DecoderLayer
 from mtp_core.model.layers import RMSNorm
 from mtp_core.model.mtp import MTPModule
 from mtp_core.model.rope import RotaryEmbedding
+
+
+log = logging.getLogger("mtp.model")
 
 
 class DeepseekV3Model(nn.Module):
@@ -45,6 +50,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.layers[self.num_main_layers + k]  # type: ignore[return-value]
 
     # ---- serving (paged cache) -----------------------------------------------------------
+    def ensure_decode_fused(self) -> None:
+        """fuse_for_decode() once per model (engines sharing a model fuse it once), logged."""
+        if not getattr(self, "decode_fused", False):
+            log.info("decode weight fusion: %s", self.fuse_for_decode())
+            self.decode_fused = True
+
     def fuse_for_decode(self) -> dict[str, int]:
         """Serving-time weight fusion of every layer (MLA absorption, stacked experts); each module skips
         itself when its weights do not allow it. Returns how many modules were fused."""
