@@ -21,10 +21,11 @@ from cli.common import (EXIT_INTERRUPT, Progress, build_llm_config, install_one_
 install_one_line_usage_errors()
 log = logging.getLogger("mtp.cli")
 
-DEFAULT_PROMPTS = [
+SHIPPED_MAX_TOKENS = 320   # --max_tokens when the shipped model runs with no --max_tokens given
+DEFAULT_PROMPTS = [   # one question of three task families, worded as the shipped model was trained
     "What is 347 + 285?",
-    "Sort these numbers: 42, 7, 19, 88, 3",
-    "How many times does the letter r appear in strawberry?",
+    "Arrange in increasing order: 42, 7, 19, 88, 3.",
+    'In the word "strawberry", how many times does \'r\' occur?',
 ]
 
 
@@ -93,7 +94,8 @@ def quickstart_command(
     model_dir: Optional[Path] = typer.Option(None, "--model_dir",
                                              help="Checkpoint directory (default: the shipped model)."),
     prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="Prompt(s); `-` reads one per line from stdin."),
-    max_tokens: int = typer.Option(64, "--max_tokens", help="Tokens to generate per prompt."),
+    max_tokens: int = typer.Option(64, "--max_tokens",
+                                   help="Tokens to generate per prompt (320 for the shipped model without --model_dir)."),
     max_batch_size: int = typer.Option(8, "--max_batch_size",
                                        help="Most requests in one engine step (TensorRT-LLM: 2048; the CPU KV "
                                             "pool is capped at max_batch_size x max_seq_len)."),
@@ -166,7 +168,10 @@ def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
     cfg = build_llm_config(p, explicit)
     if p["max_tokens"] < 1:
         raise ValueError(f"--max_tokens must be >= 1, got {p['max_tokens']}")
-    sampling = SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_k=p["top_k"],
+    # the shipped model's answers come after ~100-300 tokens of reasoning: without --model_dir and without
+    # --max_tokens, generate enough to finish them (TensorRT-LLM's 64 stays the default for a --model_dir)
+    max_tokens = SHIPPED_MAX_TOKENS if p["model_dir"] is None and "max_tokens" not in explicit else p["max_tokens"]
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=p["temperature"], top_k=p["top_k"],
                               top_p=p["top_p"], seed=p["seed"])
     try:
         sampling.validate()

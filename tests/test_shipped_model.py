@@ -63,3 +63,13 @@ def test_quickstart_out_of_the_box_with_mtp() -> None:
     assert len(lines) == 3 and all(line.startswith(f"[{i}] Prompt: ") for i, line in enumerate(lines))
     assert runs[1].stdout == runs[0].stdout
     assert "acceptance length (AL)" in runs[1].stderr
+
+
+def test_quickstart_default_lets_the_shipped_model_finish_its_answers() -> None:
+    """No --model_dir and no --max_tokens: enough tokens for the reasoning to close and the answer to come."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    r = subprocess.run([sys.executable, "-m", "cli", "quickstart", "--prompt", "What is 347 + 285?",
+                        "--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "3"],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=600, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stderr
+    assert "</think>" in r.stdout and "The answer is" in r.stdout, r.stdout
