@@ -76,7 +76,7 @@ class Engine:
         self.stats = SpecStats()
         self.iter_log = iter_log
         self.num_steps = 0
-        self.graphs = self._make_graphs(num_blocks) if cfg.cuda_graph_config is not None else None
+        self.graphs = self._make_graphs() if cfg.cuda_graph_config is not None else None
         self.overlap = (not cfg.disable_overlap_scheduler and self.drafter is not None
                         and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
@@ -95,7 +95,7 @@ class Engine:
         log.info("MTP %s drafting, max_draft_len=%d, %d module(s) in the checkpoint", mode, self.K, n)
         return cls(self.model, self.caches, self.blocks.tokens_per_block, self.K)
 
-    def _make_graphs(self, num_blocks: int) -> Optional[GraphRunner]:
+    def _make_graphs(self) -> Optional[GraphRunner]:
         """The static (CUDA-graph) decode step for each batch size of cuda_graph_config; None, with a log
         line, when this model or drafting mode cannot run it (every step then runs eagerly)."""
         cg, spec = self.cfg.cuda_graph_config, self.cfg.speculative_config
@@ -155,11 +155,12 @@ class Engine:
             if static is not None:
                 # target forward, verification and the K draft forwards in one (captured) static step
                 tokens, drafts = static.run(rows)
-                inputs = self._commit(rows, VerifyResult(tokens), None)
+                result = VerifyResult(tokens)
+                inputs = self._commit(rows, result, None)
                 drafts_of = {id(r.seq): d for r, d in zip(rows, drafts)}
                 self._store_drafts(inputs, [drafts_of[id(i.seq)] for i in inputs], rewind=True)
                 self.graphs.num_replays += 1
-                return self._finish_step(rows, VerifyResult(tokens), t0)
+                return self._finish_step(rows, result, t0)
             out = self.runner.execute(rows, meta)
             result = self._verify(rows, out)
             inputs = self._commit(rows, result, out)
