@@ -31,6 +31,7 @@ import torch
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.moe import MoE
+from mtp_core.speculative.verifier import relaxed_candidates
 
 log = logging.getLogger("mtp.graphs")
 
@@ -91,12 +92,8 @@ class StaticDecodeStep:
         drafts = self.input_ids[:, 1:]                                          # [B, K]
         match = drafts == target[:, :-1]
         if self.relaxed is not None:
-            topk, delta = self.relaxed
-            probs = torch.softmax(logits[:, :-1].float(), dim=-1)
-            top = probs.topk(min(topk, probs.shape[-1]), dim=-1)
-            counted = top.values >= top.values[..., :1] - delta
-            counted[..., 0] = True
-            relaxed_match = ((top.indices == drafts.unsqueeze(-1)) & counted).any(-1)
+            ids, counted = relaxed_candidates(logits[:, :-1], *self.relaxed)     # [B, K, topk]
+            relaxed_match = ((ids == drafts.unsqueeze(-1)) & counted).any(-1)
             match = torch.where(self.thinking.unsqueeze(-1), relaxed_match, match)
         m = match.int().cumprod(dim=-1).sum(-1)                                 # [B]
         # the accepted drafts (under strict equal to the target's choices), then the target's token at m;

@@ -41,14 +41,14 @@ def verify_strict(logits: torch.Tensor, drafts: torch.Tensor) -> VerifyResult:
 
 
 def relaxed_candidates(logits: torch.Tensor, topk: int, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [K+1, V] -> (candidate ids [K+1, topk], counted [K+1, topk] bool).
+    """logits [..., K+1, V] -> (candidate ids [..., K+1, topk], counted [..., K+1, topk] bool).
 
     Softmax of the raw logits; among the top `topk`, the top-1 always counts and a lower candidate
     counts while its probability is >= p_top1 - delta."""
     probs = torch.softmax(logits.float(), dim=-1)
     top = probs.topk(min(topk, probs.shape[-1]), dim=-1)
-    counted = top.values >= (top.values[:, :1] - delta)
-    counted[:, 0] = True
+    counted = top.values >= (top.values[..., :1] - delta)
+    counted[..., 0] = True
     return top.indices, counted
 
 
