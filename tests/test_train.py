@@ -6,6 +6,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import torch
 
 from mtp_core.config import ModelConfig
@@ -14,7 +15,8 @@ from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.tiny import init_weights, tiny_config_dict
 from mtp_core.train.mtp_objective import depth_mask, mtp_depth_forward, shift_hidden
 from mtp_core.train.recipes import RECIPES
-from mtp_core.train.trainer import train
+from mtp_core.data import FAMILIES
+from mtp_core.train.trainer import batch_for_step, train
 
 torch.set_num_threads(1)
 
@@ -75,3 +77,21 @@ def test_smoke_training_is_deterministic_resumable_and_loads(tmp_path: Path) -> 
     model, ckpt = load_model(a / "model")
     assert ckpt.config.num_nextn_predict_layers == 3 and model.num_mtp_modules == 3
     assert (a / "model" / "tokenizer.json").is_file() and (a / "model" / "generation_config.json").is_file()
+
+
+def test_family_mix_segments_change_the_batches_from_their_start_step() -> None:
+    """mix_segments: from its start step a segment's family shares decide the generated examples."""
+    from mtp_core.data.dataset import training_texts
+
+    only_add = list(training_texts(seed=3, num_examples=40, general_fraction=0.0,
+                                   family_weights={f: 0.0 for f in FAMILIES if f != "add"}))
+    assert all(("+" in t or " add" in t.lower() or "plus" in t or "sum" in t) for t in only_add)
+    with pytest.raises(ValueError, match="unknown task families"):
+        next(training_texts(seed=3, num_examples=1, family_weights={"division": 1.0}))
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(__file__).resolve().parent.parent / "mtp_core/assets/tiny-r1/tokenizer.json"))
+    base = replace(RECIPES["smoke"], mix_segments=())
+    mixed = replace(base, mix_segments=((2, (("add", 1.0), ("sub", 0.0), ("mul", 0.0))),))
+    assert torch.equal(batch_for_step(tok, base, 1), batch_for_step(tok, mixed, 1))       # before the start
+    assert not torch.equal(batch_for_step(tok, base, 2), batch_for_step(tok, mixed, 2))   # from it on

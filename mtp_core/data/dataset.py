@@ -57,8 +57,10 @@ def example_for(family: str, operands: tuple, rng: random.Random) -> Example:
     return build_example(family, render(family, operands, rng), rng)
 
 
-def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15) -> Iterator[str]:
-    """`num_examples` chat examples (families mixed by weight) interleaved with general-text chunks.
+def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15,
+                   family_weights: dict[str, float] | None = None) -> Iterator[str]:
+    """`num_examples` chat examples (families mixed by weight; `family_weights` overrides the default
+    shares, families it leaves out keep theirs) interleaved with general-text chunks.
 
     General chunks are added whenever they fall below `general_fraction` of all characters so far
     (characters stand in for tokens), so the share holds at every prefix of the stream.
@@ -69,7 +71,11 @@ def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15)
         raise ValueError(f"num_examples must be >= 0, got {num_examples}")
     rng = random.Random(f"train-{seed}")
     general_rng = random.Random(f"general-{seed}")
-    weights = [FAMILY_SPECS[f].weight for f in FAMILIES]
+    over = family_weights or {}
+    unknown = sorted(set(over) - set(FAMILIES))
+    if unknown:
+        raise ValueError(f"unknown task families in family_weights: {', '.join(unknown)}")
+    weights = [over.get(f, FAMILY_SPECS[f].weight) for f in FAMILIES]
     chunks = general_text.load_chunks() if general_fraction > 0 else ()
     ratio = general_fraction / (1.0 - general_fraction)
     order: list[int] = []

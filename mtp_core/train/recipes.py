@@ -29,14 +29,17 @@ class Recipe:
     max_position_embeddings: int = 1024
     seq_len: int = 384
     batch_size: int = 12
-    steps: int = 1700
+    steps: int = 1820
     # The learning-rate schedule as (end_step, kind, *args) segments, evaluated at the global step.
     # tiny-r1's history, kept exact so the run reproduces: a cosine planned for 700 steps (steps 0-99),
     # re-planned for 350 (100-349, CPU time ran short), a warm restart of 600 more steps, then a second,
     # lower restart of 750 steps (session 2) that anneals to 3e-5. A restart is
     # (end_step, "restart", length, peak, warmup[, floor]).
     lr_segments: tuple = ((100, "cosine", 700), (350, "cosine", 350), (950, "restart", 600, 1e-3, 20),
-                          (1700, "restart", 750, 6e-4, 20, 3e-5))
+                          (1700, "restart", 750, 6e-4, 20, 3e-5), (1820, "restart", 120, 3e-4, 10, 3e-5))
+    # Task-family shares from a step on, as (start_step, ((family, weight), ...)); the defaults before.
+    # Steps 1700-1819 drill arithmetic (digit sums were the main error after step 1700).
+    mix_segments: tuple = ((1700, (("add", 0.40), ("sub", 0.20), ("mul", 0.15))),)
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 60

@@ -46,8 +46,12 @@ def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
 
     need = recipe.batch_size * recipe.seq_len
     ids: list[int] = []
+    mix = None
+    for start, weights in recipe.mix_segments:       # the last segment that has started decides
+        if step >= start:
+            mix = dict(weights)
     stream = training_texts(seed=recipe.seed * 1_000_003 + step, num_examples=10**6,
-                            general_fraction=recipe.general_fraction)
+                            general_fraction=recipe.general_fraction, family_weights=mix)
     while len(ids) < need:
         chunk = list(itertools.islice(stream, 16))
         for enc in tok.encode_batch(chunk, add_special_tokens=False):
