@@ -25,10 +25,27 @@ TORCH_LIBRARY(mtp_core, m) {
   // Rotary embedding of x [T, ..., D] with float32 cos/sin [T, D/2]; output [rot. x1 | rot. x2] where
   // (x1, x2) are the even/odd (interleave) or first/second-half elements.
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleave) -> Tensor");
+  // Native CPU decode forward (csrc/cpu/decode_cpu.cpp; contract and torch reference:
+  // mtp_core/kernels/decode_ref.py): embeds ids [T], runs len(caches) decoder layers (weights: 20 slots
+  // per layer, an empty tensor = absent; an MTP module's layer takes mtp_hidden [T, H]) over the paged latent
+  // caches (written in place at slot_mapping), optionally applies final_norm -> hidden [T, H].
+  m.def(
+      "decode_forward(Tensor ids, Tensor embed, Tensor? mtp_hidden, Tensor[] weights, int[] dims, "
+      "float[] fparams, Tensor(a!)[] caches, Tensor rope_cos, Tensor rope_sin, Tensor positions, "
+      "Tensor slot_mapping, Tensor query_start, Tensor block_tables, Tensor seqlens, Tensor? final_norm) -> Tensor");
+  // Batch-invariant projection x [T, K] @ w [N, K]^T -> float32 [T, N] (each output reduced in a fixed order).
+  m.def("linear_bi(Tensor x, Tensor w) -> Tensor");
 }
 
-// `import mtp_core._C` loads this library and with it the registrations; the module is empty.
+extern "C" const char* mtp_core_cpu_isa();
+
+static PyObject* cpu_isa(PyObject*, PyObject*) { return PyUnicode_FromString(mtp_core_cpu_isa()); }
+
+// `import mtp_core._C` loads this library and with it the registrations; the module has cpu_isa().
 PyMODINIT_FUNC PyInit__C(void) {
-  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyMethodDef methods[] = {
+      {"cpu_isa", cpu_isa, METH_NOARGS, "The instruction set the native CPU decode kernels use."},
+      {nullptr, nullptr, 0, nullptr}};
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module);
 }

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mtp_core.kernels.decode_ref import decode_forward_ref, linear_bi_ref
 from mtp_core.kernels.fused_ref import rms_norm_ref, rope_ref
 from mtp_core.kernels.mla_decode_ref import mla_decode_ref
 from mtp_core.kernels.native import NativeOps, load_native_ops, note_fallback
@@ -174,3 +175,32 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
             and _native_cpu_elementwise(x)):
         return torch.ops.mtp_core.rope(x, cos, sin, interleave)
     return rope_ref(x, cos, sin, interleave)
+
+
+def cpu_isa() -> str:
+    """The instruction set of the native CPU decode kernels (avx512 / avx2 / generic; MTP_CORE_CPU_ISA caps
+    it), or "reference" when the native ops are not loaded."""
+    if not NATIVE.cpu:
+        return "reference"
+    import mtp_core._C as _C
+    return _C.cpu_isa()
+
+
+def decode_forward(ids, embed, mtp_hidden, weights, dims, fparams, caches, rope_cos, rope_sin, positions,
+                   slot_mapping, query_start, block_tables, seqlens, final_norm) -> torch.Tensor:
+    """A stack of decoder layers over a decode batch (contract: decode_ref.py); native on CPU."""
+    if NATIVE.cpu and embed.device.type == "cpu":
+        return torch.ops.mtp_core.decode_forward(ids, embed, mtp_hidden, weights, dims, fparams, caches, rope_cos,
+                                                 rope_sin, positions, slot_mapping, query_start, block_tables,
+                                                 seqlens, final_norm)
+    note_fallback("decode_forward", f"{embed.device}: no native op")
+    return decode_forward_ref(ids, embed, mtp_hidden, weights, dims, fparams, caches, rope_cos, rope_sin, positions,
+                              slot_mapping, query_start, block_tables, seqlens, final_norm)
+
+
+def linear_bi(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, K] @ w [N, K]^T -> float32 [T, N], each output reduced in an order independent of T."""
+    if NATIVE.cpu and x.device.type == "cpu" and w.dtype in _CPU_Q_DTYPES:
+        return torch.ops.mtp_core.linear_bi(x, w)
+    note_fallback("linear_bi", f"{x.device} {w.dtype}")
+    return linear_bi_ref(x, w)

@@ -34,6 +34,15 @@ def register_fakes() -> None:
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
         return torch.empty_like(x)
 
+    @torch.library.register_fake("mtp_core::decode_forward")
+    def _decode_forward(ids, embed, mtp_hidden, weights, dims, fparams, caches, rope_cos, rope_sin, positions,
+                        slot_mapping, query_start, block_tables, seqlens, final_norm) -> torch.Tensor:
+        return embed.new_empty((ids.shape[0], embed.shape[1]))                          # [T, H]
+
+    @torch.library.register_fake("mtp_core::linear_bi")
+    def _linear_bi(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)              # [T, N]
+
     @torch.library.register_fake("mtp_core::nvfp4_quantize")
     def _nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows, cols = x.shape

@@ -41,6 +41,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg)
         self.num_main_layers = cfg.num_hidden_layers
+        self.native = None   # the native CPU decode forward (NativeDecoder), set by ensure_decode_fused()
 
     @property
     def num_mtp_modules(self) -> int:
@@ -55,6 +56,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         if not getattr(self, "decode_fused", False):
             log.info("decode weight fusion: %s", self.fuse_for_decode())
             self.decode_fused = True
+            from mtp_core.model.native_decode import NativeDecoder
+            self.native = NativeDecoder.build(self)
 
     def fuse_for_decode(self) -> dict[str, int]:
         """Serving-time weight fusion of every layer (MLA absorption, stacked experts); each module skips
@@ -69,6 +72,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [T] -> hidden [T, hidden] after the final norm."""
+        if self.native is not None and self.native.accepts(meta):
+            return self.native.forward(input_ids, meta, kv_caches)
         cos, sin = self.rope.cos_sin(meta.positions)
         x = self.model.embed_tokens(input_ids)
         for i in range(self.num_main_layers):
@@ -76,12 +81,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        """hidden [N, hidden] -> logits [N, vocab] in float32 (batch-invariant on the native path)."""
+        if self.native is not None and not torch.is_grad_enabled():
+            return self.native.logits(hidden)
         return self.lm_head(hidden).float()
 
     def mtp_forward(self, k: int, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                     kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """MTP module k: input_ids [T], hidden [T, hidden] -> h_out [T, hidden]."""
+        if self.native is not None and self.native.accepts(meta):
+            return self.native.mtp_forward(k, input_ids, hidden, meta, kv_caches)
         cos, sin = self.rope.cos_sin(meta.positions)
         layer = self.num_main_layers + k
         return self.mtp_module(k)(self.model.embed_tokens(input_ids), hidden, self.rope, cos, sin, meta,

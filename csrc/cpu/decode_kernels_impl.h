@@ -1,0 +1,369 @@
+// The decode kernels' algorithms, written once against a 16-lane float vector `VF` and compiled per ISA
+// (see decode_kernels.h). The including translation unit defines, before including this file:
+//   MTP_ISA_NAME  a string, MTP_ISA_FN  the name of its table getter,
+//   and exactly one of MTP_ISA_AVX512 (AVX-512F intrinsics) or nothing (portable 16-lane arrays, which
+//   the compiler vectorizes for the TU's target: AVX2+FMA or plain x86-64).
+// Internal linkage only: nothing here may be merged with another TU's copy compiled for another ISA.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "decode_kernels.h"
+
+#if defined(MTP_ISA_AVX512)
+#include <immintrin.h>
+#endif
+
+namespace mtp_core {
+namespace cpu {
+namespace {
+
+constexpr int kLanes = 16;
+
+#if defined(MTP_ISA_AVX512)
+struct VF {
+  __m512 v;
+};
+inline VF vzero() { return {_mm512_setzero_ps()}; }
+inline VF vset1(float a) { return {_mm512_set1_ps(a)}; }
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1u); }
+inline VF vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline VF vload_n(const float* p, int64_t n) { return {_mm512_maskz_loadu_ps(tail_mask(n), p)}; }
+inline VF vload(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+inline VF vload_n(const uint16_t* p, int64_t n) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(tail_mask(n), p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+}
+inline void vstore(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
+inline void vstore_n(float* p, VF a, int64_t n) { _mm512_mask_storeu_ps(p, tail_mask(n), a.v); }
+inline VF vfma(VF a, VF b, VF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline VF vadd(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline VF vsub(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline VF vmul(VF a, VF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline VF vdiv(VF a, VF b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline VF vmax(VF a, VF b) { return {_mm512_max_ps(a.v, b.v)}; }
+// Pairwise halves 16 -> 8 -> 4 -> 2 -> 1: a fixed tree.
+inline float vhsum(VF a) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a.v),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
+}
+inline float vhmax(VF a) { return _mm512_reduce_max_ps(a.v); }
+// exp(x) for x <= 0 (scores minus their max, -g for silu): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
+// p a degree-6 Taylor polynomial (relative error < 2e-7); x below -87 gives 0 (flushed, as expf underflows).
+inline VF vexp(VF x) {
+  const __m512 lo = _mm512_set1_ps(-87.0f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x.v, lo, _CMP_LT_OQ);
+  __m512 xc = _mm512_max_ps(x.v, lo);
+  xc = _mm512_min_ps(xc, _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return {_mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), p, n)};
+}
+#else
+struct VF {
+  float v[kLanes];
+};
+inline VF vzero() {
+  VF r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = 0.f;
+  return r;
+}
+inline VF vset1(float a) {
+  VF r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = a;
+  return r;
+}
+inline VF vload(const float* p) {
+  VF r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = p[i];
+  return r;
+}
+inline VF vload_n(const float* p, int64_t n) {
+  VF r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? p[i] : 0.f;
+  return r;
+}
+inline float bf16_to_f32(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline VF vload(const uint16_t* p) {
+  VF r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = bf16_to_f32(p[i]);
+  return r;
+}
+inline VF vload_n(const uint16_t* p, int64_t n) {
+  VF r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? bf16_to_f32(p[i]) : 0.f;
+  return r;
+}
+inline void vstore(float* p, VF a) {
+  for (int i = 0; i < kLanes; ++i) p[i] = a.v[i];
+}
+inline void vstore_n(float* p, VF a, int64_t n) {
+  for (int i = 0; i < kLanes && i < n; ++i) p[i] = a.v[i];
+}
+#if defined(__FMA__)
+inline float fma1(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+#else
+inline float fma1(float a, float b, float c) { return a * b + c; }
+#endif
+inline VF vfma(VF a, VF b, VF c) {
+  VF r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = fma1(a.v[i], b.v[i], c.v[i]);
+  return r;
+}
+#define MTP_VF_BINOP(name, expr)                          \
+  inline VF name(VF a, VF b) {                            \
+    VF r;                                                 \
+    for (int i = 0; i < kLanes; ++i) r.v[i] = (expr);     \
+    return r;                                             \
+  }
+MTP_VF_BINOP(vadd, a.v[i] + b.v[i])
+MTP_VF_BINOP(vsub, a.v[i] - b.v[i])
+MTP_VF_BINOP(vmul, a.v[i] * b.v[i])
+MTP_VF_BINOP(vdiv, a.v[i] / b.v[i])
+MTP_VF_BINOP(vmax, a.v[i] > b.v[i] ? a.v[i] : b.v[i])
+#undef MTP_VF_BINOP
+inline float vhsum(VF a) {
+  float h[8], q[4];
+  for (int i = 0; i < 8; ++i) h[i] = a.v[i] + a.v[i + 8];
+  for (int i = 0; i < 4; ++i) q[i] = h[i] + h[i + 4];
+  const float d0 = q[0] + q[2], d1 = q[1] + q[3];
+  return d0 + d1;
+}
+inline float vhmax(VF a) {
+  float m = a.v[0];
+  for (int i = 1; i < kLanes; ++i) m = a.v[i] > m ? a.v[i] : m;
+  return m;
+}
+inline VF vexp(VF x) {
+  VF r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = x.v[i] < -87.0f ? 0.f : std::exp(x.v[i]);
+  return r;
+}
+#endif
+
+template <typename WT>
+inline VF wload(const WT* p, int64_t n) {
+  return n >= kLanes ? vload(p) : vload_n(p, n);
+}
+
+// ---- GEMM: RN weight rows x TT tokens per register tile ------------------------------------------
+template <typename WT, int RN, int TT>
+inline void gemm_tile(const float* X, int64_t ldx, const WT* W, int64_t K, float* Y, int64_t ldy,
+                      const float* bias, int64_t n) {
+  VF acc[RN][TT];
+  for (int r = 0; r < RN; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
+  for (int64_t k = 0; k < K; k += kLanes) {
+    const int64_t left = K - k;
+    VF w[RN];
+    for (int r = 0; r < RN; ++r) w[r] = wload(W + (n + r) * K + k, left);
+    for (int t = 0; t < TT; ++t) {
+      const VF x = wload(X + t * ldx + k, left);
+      for (int r = 0; r < RN; ++r) acc[r][t] = vfma(w[r], x, acc[r][t]);
+    }
+  }
+  for (int t = 0; t < TT; ++t)
+    for (int r = 0; r < RN; ++r) Y[t * ldy + n + r] = vhsum(acc[r][t]) + (bias ? bias[n + r] : 0.f);
+}
+
+template <typename WT, int RN>
+inline void gemm_rows_tokens(const float* X, int64_t ldx, int64_t T, const WT* W, int64_t K, float* Y,
+                             int64_t ldy, const float* bias, int64_t n) {
+  int64_t t = 0;
+  for (; t + 4 <= T; t += 4) gemm_tile<WT, RN, 4>(X + t * ldx, ldx, W, K, Y + t * ldy, ldy, bias, n);
+  switch (T - t) {
+    case 3: gemm_tile<WT, RN, 3>(X + t * ldx, ldx, W, K, Y + t * ldy, ldy, bias, n); break;
+    case 2: gemm_tile<WT, RN, 2>(X + t * ldx, ldx, W, K, Y + t * ldy, ldy, bias, n); break;
+    case 1: gemm_tile<WT, RN, 1>(X + t * ldx, ldx, W, K, Y + t * ldy, ldy, bias, n); break;
+    default: break;
+  }
+}
+
+template <typename WT>
+void gemm_typed(const float* X, int64_t ldx, int64_t T, const WT* W, int64_t K, int64_t n0, int64_t n1, float* Y,
+                int64_t ldy, const float* bias) {
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) gemm_rows_tokens<WT, 4>(X, ldx, T, W, K, Y, ldy, bias, n);
+  for (; n < n1; ++n) gemm_rows_tokens<WT, 1>(X, ldx, T, W, K, Y, ldy, bias, n);
+}
+
+void gemm(const float* X, int64_t ldx, int64_t T, const void* W, int wtype, int64_t K, int64_t n0, int64_t n1,
+          float* Y, int64_t ldy, const float* bias) {
+  if (wtype == kBF16) {
+    gemm_typed(X, ldx, T, static_cast<const uint16_t*>(W), K, n0, n1, Y, ldy, bias);
+  } else {
+    gemm_typed(X, ldx, T, static_cast<const float*>(W), K, n0, n1, Y, ldy, bias);
+  }
+}
+
+// ---- element-wise -------------------------------------------------------------------------------
+template <typename WT>
+void rms_norm_typed(const float* x, int64_t ldx, int64_t rows, int64_t dim, const WT* w, float eps, float* y,
+                    int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * ldx;
+    float* yr = y + r * ldy;
+    VF acc = vzero();
+    for (int64_t k = 0; k < dim; k += kLanes) {
+      const VF v = wload(xr + k, dim - k);
+      acc = vfma(v, v, acc);
+    }
+    const float inv = 1.0f / std::sqrt(vhsum(acc) / static_cast<float>(dim) + eps);
+    const VF vinv = vset1(inv);
+    for (int64_t k = 0; k < dim; k += kLanes) {
+      const int64_t left = dim - k;
+      const VF out = vmul(wload(w + k, left), vmul(wload(xr + k, left), vinv));
+      if (left >= kLanes) vstore(yr + k, out); else vstore_n(yr + k, out, left);
+    }
+  }
+}
+
+void rms_norm(const float* x, int64_t ldx, int64_t rows, int64_t dim, const void* w, int wtype, float eps, float* y,
+              int64_t ldy) {
+  if (wtype == kBF16) {
+    rms_norm_typed(x, ldx, rows, dim, static_cast<const uint16_t*>(w), eps, y, ldy);
+  } else {
+    rms_norm_typed(x, ldx, rows, dim, static_cast<const float*>(w), eps, y, ldy);
+  }
+}
+
+void silu_mul(const float* h, int64_t ldh, int64_t rows, int64_t inter, float* a, int64_t lda) {
+  const VF one = vset1(1.0f), zero = vzero();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = h + r * ldh;
+    const float* u = g + inter;
+    float* out = a + r * lda;
+    for (int64_t k = 0; k < inter; k += kLanes) {
+      const int64_t left = inter - k;
+      const VF gv = wload(g + k, left);
+      const VF s = vdiv(gv, vadd(one, vexp(vsub(zero, gv))));
+      const VF o = vmul(s, wload(u + k, left));
+      if (left >= kLanes) vstore(out + k, o); else vstore_n(out + k, o, left);
+    }
+  }
+}
+
+void sigmoid(const float* x, int64_t n, float* y) {
+  const VF one = vset1(1.0f), zero = vzero();
+  for (int64_t k = 0; k < n; k += kLanes) {
+    const int64_t left = n - k;
+    const VF o = vdiv(one, vadd(one, vexp(vsub(zero, wload(x + k, left)))));
+    if (left >= kLanes) vstore(y + k, o); else vstore_n(y + k, o, left);
+  }
+}
+
+// ---- attention ----------------------------------------------------------------------------------
+template <typename CT>
+void attention_typed(const float* q, int64_t H, int64_t R, int64_t P, const CT* cache, int64_t page,
+                     const int32_t* tables, int64_t max_blocks, const int32_t* qstart, const int32_t* ctx,
+                     int64_t b0, int64_t b1, float scale, float* out, float* scores) {
+  const int64_t D = R + P;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int32_t* table = tables + b * max_blocks;
+    const int64_t nq = qstart[b + 1] - qstart[b];
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t t = qstart[b] + i;
+      const int64_t visible = ctx[b] - nq + i + 1;
+      const float* qt = q + t * H * D;
+      float* ot = out + t * H * R;
+      if (visible <= 0) {
+        for (int64_t d = 0; d < H * R; ++d) ot[d] = 0.f;
+        continue;
+      }
+      // scores[h, j] = q_h . k_j * scale, every head against one key at a time
+      for (int64_t j = 0; j < visible; ++j) {
+        const CT* key = cache + (static_cast<int64_t>(table[j / page]) * page + j % page) * D;
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qh = qt + h * D;
+          VF acc = vzero();
+          for (int64_t d = 0; d < D; d += kLanes) acc = vfma(wload(qh + d, D - d), wload(key + d, D - d), acc);
+          scores[h * visible + j] = vhsum(acc) * scale;
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        float* s = scores + h * visible;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j + kLanes <= visible; j += kLanes) {
+          const float c = vhmax(vload(s + j));
+          mx = c > mx ? c : mx;
+        }
+        for (int64_t j = visible - visible % kLanes; j < visible; ++j) mx = s[j] > mx ? s[j] : mx;
+        const VF vmx = vset1(mx);
+        VF sum = vzero();
+        for (int64_t j = 0; j < visible; j += kLanes) {
+          const int64_t left = visible - j;
+          if (left >= kLanes) {
+            const VF p = vexp(vsub(vload(s + j), vmx));
+            vstore(s + j, p);
+            sum = vadd(sum, p);
+          } else {
+            vstore_n(s + j, vexp(vsub(vload_n(s + j, left), vmx)), left);
+            sum = vadd(sum, vload_n(s + j, left));   // masked lanes read back as 0
+          }
+        }
+        const float inv = 1.0f / vhsum(sum);
+        // out_h = sum_j p_j * c_kv_j / sum(p), keys in order
+        float* oh = ot + h * R;
+        for (int64_t d = 0; d < R; ++d) oh[d] = 0.f;
+        for (int64_t j = 0; j < visible; ++j) {
+          const CT* key = cache + (static_cast<int64_t>(table[j / page]) * page + j % page) * D;
+          const VF p = vset1(s[j]);
+          for (int64_t d = 0; d < R; d += kLanes) {
+            const int64_t left = R - d;
+            if (left >= kLanes) vstore(oh + d, vfma(p, vload(key + d), vload(oh + d)));
+            else vstore_n(oh + d, vfma(p, vload_n(key + d, left), vload_n(oh + d, left)), left);
+          }
+        }
+        const VF vinv = vset1(inv);
+        for (int64_t d = 0; d < R; d += kLanes) {
+          const int64_t left = R - d;
+          if (left >= kLanes) vstore(oh + d, vmul(vload(oh + d), vinv));
+          else vstore_n(oh + d, vmul(vload_n(oh + d, left), vinv), left);
+        }
+      }
+    }
+  }
+}
+
+void attention(const float* q, int64_t T, int64_t H, int64_t R, int64_t P, const void* cache, int ctype,
+               int64_t page, const int32_t* tables, int64_t max_blocks, const int32_t* qstart, const int32_t* ctx,
+               int64_t B, int64_t b0, int64_t b1, float scale, float* out, float* scratch) {
+  (void)T;
+  (void)B;
+  if (ctype == kBF16) {
+    attention_typed(q, H, R, P, static_cast<const uint16_t*>(cache), page, tables, max_blocks, qstart, ctx, b0, b1,
+                    scale, out, scratch);
+  } else {
+    attention_typed(q, H, R, P, static_cast<const float*>(cache), page, tables, max_blocks, qstart, ctx, b0, b1,
+                    scale, out, scratch);
+  }
+}
+
+const KernelTable kTable = {MTP_ISA_NAME, &gemm, &rms_norm, &silu_mul, &sigmoid, &attention};
+
+}  // namespace
+
+const KernelTable* MTP_ISA_FN() { return &kTable; }
+
+}  // namespace cpu
+}  // namespace mtp_core

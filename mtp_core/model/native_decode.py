@@ -1,0 +1,175 @@
+"""The native CPU decode forward of a DeepseekV3ForCausalLM: one call of mtp_core::decode_forward per
+target forward (all main layers, final norm included) and one per MTP module forward, plus the
+batch-invariant LM head mtp_core::linear_bi.
+
+Built once per model by `NativeDecoder.build` after `fuse_for_decode` (it reads the fused weights:
+W_a = [q_a | kv_a], absorbed W_q / W_o, stacked experts), or not at all, with one log line saying why:
+not a CPU, no native ops (`MTP_CORE_KERNELS=reference`), `MTP_CORE_NATIVE_DECODE=0`, weights that are
+not plain fp32/bf16 (quantized), unfused attention, or a distributed model. It serves batches whose rows
+are all decode / verification / draft rows (the absorbed attention path, at most MAX_QUERIES_PER_ROW
+tokens per row); prefill chunks take the torch path. The contract and the torch reference are in
+mtp_core/kernels/decode_ref.py.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from mtp_core import kernels
+from mtp_core.kernels.decode_ref import DIMS, WEIGHT_SLOTS
+from mtp_core.model.attention_metadata import AttentionMetadata
+from mtp_core.model.layers import MLP
+from mtp_core.model.moe import MoE
+
+log = logging.getLogger("mtp.model")
+
+MAX_QUERIES_PER_ROW = 16
+
+
+def _none() -> torch.Tensor:
+    return torch.empty(0)
+
+
+def _c(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous()
+
+
+class NativeDecoder:
+    def __init__(self, model: nn.Module, layer_weights: list[list[torch.Tensor]], dims: list[int],
+                 fparams: list[float]) -> None:
+        self.rope = model.rope
+        self.layer_weights = layer_weights          # per model.layers index: WEIGHT_SLOTS tensors
+        self.dims, self.fparams = dims, fparams
+        self.num_main = model.num_main_layers
+        self.main_weights = [w for ws in layer_weights[:self.num_main] for w in ws]
+        self.final_norm = _c(model.model.norm.weight)
+        self.embed = _c(model.model.embed_tokens.weight)
+        self.lm_head = _c(model.lm_head.weight)
+        self._rope_len = 0
+        self._grow_rope(int(model.config.max_position_embeddings) + 64)
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def why_not(cls, model: nn.Module) -> Optional[str]:
+        """None when the native decode forward can serve this (fused) model, else the reason."""
+        if os.environ.get("MTP_CORE_NATIVE_DECODE", "1") == "0":
+            return "MTP_CORE_NATIVE_DECODE=0"
+        if not kernels.NATIVE.cpu:
+            return kernels.NATIVE.summary
+        p = next(model.parameters())
+        if p.device.type != "cpu":
+            return f"weights on {p.device}"
+        if p.dtype not in (torch.float32, torch.bfloat16):
+            return f"weights in {p.dtype}"
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            return "distributed (TP/EP) model"
+        for layer in model.model.layers:
+            if layer.self_attn.decode_weights is None:
+                return "attention weights not fused for decode (quantized or too large to absorb)"
+            mlp = layer.mlp
+            if type(mlp) is MoE:
+                mlps = [*mlp.experts, *([mlp.shared_experts] if mlp.shared_experts is not None else [])]
+            elif type(mlp) is MLP:
+                mlps = [mlp]
+            else:
+                return f"feed-forward {type(mlp).__name__} is not a plain MLP / MoE"
+            for m in mlps:
+                if any(type(l) is not nn.Linear or l.bias is not None or l.weight.dtype != p.dtype
+                       for l in (m.gate_proj, m.up_proj, m.down_proj)):
+                    return "feed-forward weights are not plain fp32/bf16 linears"
+        return None
+
+    @classmethod
+    def build(cls, model: nn.Module) -> Optional["NativeDecoder"]:
+        why = cls.why_not(model)
+        if why is not None:
+            log.info("native CPU decode forward off: %s", why)
+            return None
+        cfg = model.config
+        attn0 = model.model.layers[0].self_attn
+        dims = dict(hidden=cfg.hidden_size, q_lora=cfg.q_lora_rank or 0, kv_lora=cfg.kv_lora_rank,
+                    rope=cfg.qk_rope_head_dim, heads=attn0.num_heads, experts=int(cfg.n_routed_experts or 0),
+                    top_k=int(cfg.num_experts_per_tok or 0), groups=int(cfg.n_group or 1),
+                    topk_groups=int(cfg.topk_group or 1), norm_topk=int(bool(cfg.norm_topk_prob)),
+                    interleave=int(bool(cfg.rope_interleave)))
+        fparams = [float(cfg.rms_norm_eps), float(attn0.softmax_scale), float(cfg.routed_scaling_factor or 1.0)]
+        weights = [cls._layer_weights(layer) for layer in model.model.layers]
+        dec = cls(model, weights, [int(dims[k]) for k in DIMS], fparams)
+        log.info("native CPU decode forward on (%s kernels, %d threads)", kernels.cpu_isa(), torch.get_num_threads())
+        return dec
+
+    @staticmethod
+    def _layer_weights(layer: nn.Module) -> list[torch.Tensor]:
+        w = {k: _none() for k in WEIGHT_SLOTS}
+        attn = layer.self_attn
+        w_a, b_a, w_q, w_o = attn.decode_weights
+        w.update(in_norm=_c(layer.input_layernorm.weight), w_a=_c(w_a), w_o=_c(w_o),
+                 kv_norm=_c(attn.kv_a_layernorm.weight), post_norm=_c(layer.post_attention_layernorm.weight))
+        if b_a is not None:
+            w["b_a"] = _c(b_a.float())
+        if attn.q_lora_rank is not None:
+            w.update(q_a_norm=_c(attn.q_a_layernorm.weight), w_q=_c(w_q))
+        mlp = layer.mlp
+        if type(mlp) is MLP:
+            w.update(mlp_w13=_c(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), mlp_w2=_c(mlp.down_proj.weight))
+        else:
+            E = len(mlp.experts)
+            w.update(gate=_c(mlp.gate.weight.float()), gate_bias=_c(mlp.gate.e_score_correction_bias.float()))
+            if mlp.stacked is not None:   # views of the stacked experts, the shared one last (no copy)
+                w13, w2 = mlp.stacked
+                w13 = w13.view(w2.shape[0], -1, w13.shape[-1])
+                w.update(exp_w13=w13[:E], exp_w2=w2[:E])
+                if mlp.shared_experts is not None:
+                    w.update(sh_w13=w13[E], sh_w2=w2[E])
+            else:
+                w.update(exp_w13=_c(torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in mlp.experts])),
+                         exp_w2=_c(torch.stack([e.down_proj.weight for e in mlp.experts])))
+                if mlp.shared_experts is not None:
+                    s = mlp.shared_experts
+                    w.update(sh_w13=_c(torch.cat([s.gate_proj.weight, s.up_proj.weight])), sh_w2=_c(s.down_proj.weight))
+        if hasattr(layer, "eh_proj"):
+            w.update(enorm=_c(layer.enorm.weight), hnorm=_c(layer.hnorm.weight), eh_proj=_c(layer.eh_proj.weight),
+                     head_norm=_c(layer.shared_head.norm.weight))
+        return [w[k] for k in WEIGHT_SLOTS]
+
+    def _grow_rope(self, n: int) -> None:
+        cos, sin = self.rope.cos_sin(torch.arange(n))
+        self.rope_cos, self.rope_sin, self._rope_len = cos.contiguous(), sin.contiguous(), n
+
+    # ---- serving -------------------------------------------------------------------------
+    def accepts(self, meta: AttentionMetadata) -> bool:
+        """Decode-shaped batches with host metadata (every row at most MAX_QUERIES_PER_ROW tokens)."""
+        if not meta.use_absorbed or not meta.row_positions or torch.is_grad_enabled():
+            return False
+        if max(len(p) for p in meta.row_positions) > MAX_QUERIES_PER_ROW:
+            return False
+        if max(meta.context_lens) > self._rope_len:
+            self._grow_rope(max(meta.context_lens) + 256)
+        return True
+
+    def _call(self, ids: torch.Tensor, hidden: Optional[torch.Tensor], weights: list[torch.Tensor],
+              caches: list[torch.Tensor], meta: AttentionMetadata, final_norm: Optional[torch.Tensor]) -> torch.Tensor:
+        qs = meta.__dict__.get("_query_start_i32")
+        if qs is None:
+            qs = meta.__dict__["_query_start_i32"] = torch.tensor(meta.query_start, dtype=torch.int32)
+        return kernels.decode_forward(ids, self.embed, hidden, weights, self.dims, self.fparams, caches,
+                                      self.rope_cos, self.rope_sin, meta.positions, meta.slot_mapping, qs,
+                                      meta.block_tables_i32, meta.seqlens_i32, final_norm)
+
+    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]) -> torch.Tensor:
+        """The target model over a decode batch: ids [T] -> hidden [T, H] after the final norm."""
+        return self._call(ids, None, self.main_weights, caches[:self.num_main], meta, self.final_norm)
+
+    def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                    caches: list[torch.Tensor]) -> torch.Tensor:
+        """MTP module k: (ids [T], hidden [T, H]) -> h_out [T, H] after its shared-head norm."""
+        layer = self.num_main + k
+        return self._call(ids, hidden.contiguous(), self.layer_weights[layer], [caches[layer]], meta, None)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return kernels.linear_bi(hidden, self.lm_head)
