@@ -33,8 +33,9 @@ TORCH_LIBRARY(mtp_core, m) {
       "decode_forward(Tensor ids, Tensor embed, Tensor? mtp_hidden, Tensor[] weights, int[] dims, "
       "float[] fparams, Tensor(a!)[] caches, Tensor rope_cos, Tensor rope_sin, Tensor positions, "
       "Tensor slot_mapping, Tensor query_start, Tensor block_tables, Tensor seqlens, Tensor? final_norm) -> Tensor");
-  // Batch-invariant projection x [T, K] @ w [N, K]^T -> float32 [T, N] (each output reduced in a fixed order).
-  m.def("linear_bi(Tensor x, Tensor w) -> Tensor");
+  // Batch-invariant projection x [T, K] @ W^T -> float32 [T, n], W [n, K] packed in 64-row panels
+  // [ceil(n/64), K, 64] (each output one multiply-add chain over k: its rounding does not depend on T).
+  m.def("linear_bi(Tensor x, Tensor w_packed, int n) -> Tensor");
 }
 
 extern "C" const char* mtp_core_cpu_isa();

@@ -73,36 +73,46 @@ int wtype_of(const at::Tensor& t) {
   return cpu::kBF16;
 }
 
+// A weight as the kernels see it: norms / biases as plain vectors, projections packed in 64-row panels
+// ([ceil(N/64), K, 64], see decode_kernels.h) — `k` is then K and `panels` the panel count.
 struct W {
   const void* p = nullptr;
   int type = cpu::kF32;
-  int64_t rows = 0, cols = 0;
+  int64_t panels = 0, k = 0;
   bool defined() const { return p != nullptr; }
 };
 
 W weight(const at::Tensor& t) {
   if (!t.defined() || t.numel() == 0) return {};
   TORCH_CHECK(t.is_contiguous(), "decode_forward: weights must be contiguous");
-  return {t.data_ptr(), wtype_of(t), t.dim() >= 2 ? t.size(-2) : t.size(0), t.dim() >= 2 ? t.size(-1) : 1};
+  W w{t.data_ptr(), wtype_of(t), 0, 0};
+  if (t.dim() == 3) {
+    TORCH_CHECK(t.size(2) == 64, "decode_forward: packed weights must be [panels, K, 64]");
+    w.panels = t.size(0);
+    w.k = t.size(1);
+  }
+  return w;
 }
 
-// Y[T, N] = X[T, K] @ W^T (+ bias): split over output rows across threads when there is enough work.
-void gemm(const float* X, int64_t ldx, int64_t T, const void* w, int wtype, int64_t N, int64_t Kd, float* Y,
-          int64_t ldy, const float* bias = nullptr) {
+// Y[T, N] = X[T, K] @ W^T (+ bias) with W packed: split over panels across threads when there is work.
+void gemm(const float* X, int64_t ldx, int64_t T, const void* w, int wtype, int64_t panels, int64_t Kd, int64_t N,
+          float* Y, int64_t ldy, const float* bias = nullptr) {
   if (T == 0 || N == 0) return;
+  TORCH_CHECK(panels * 64 >= N, "decode_forward: a packed weight has ", panels * 64, " rows, ", N, " needed");
   const int64_t work = T * N * Kd;
-  if (at::get_num_threads() > 1 && work >= (1 << 16) && N >= 32) {
-    const int64_t grain = std::max<int64_t>(16, ((N / at::get_num_threads()) + 3) / 4 * 4);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      K().gemm(X, ldx, T, w, wtype, Kd, n0, n1, Y, ldy, bias);
+  const int nt = at::get_num_threads();
+  if (nt > 1 && work >= (1 << 15) && panels >= 2) {
+    at::parallel_for(0, panels, (panels + nt - 1) / nt, [&](int64_t p0, int64_t p1) {
+      K().gemm(X, ldx, T, w, wtype, Kd, N, p0, p1, Y, ldy, bias);
     });
   } else {
-    K().gemm(X, ldx, T, w, wtype, Kd, 0, N, Y, ldy, bias);
+    K().gemm(X, ldx, T, w, wtype, Kd, N, 0, panels, Y, ldy, bias);
   }
 }
 
-void gemm(const float* X, int64_t ldx, int64_t T, const W& w, float* Y, int64_t ldy, const float* bias = nullptr) {
-  gemm(X, ldx, T, w.p, w.type, w.rows, w.cols, Y, ldy, bias);
+void gemm(const float* X, int64_t ldx, int64_t T, const W& w, int64_t N, float* Y, int64_t ldy,
+          const float* bias = nullptr) {
+  gemm(X, ldx, T, w.p, w.type, w.panels, w.k, N, Y, ldy, bias);
 }
 
 void norm(const float* x, int64_t ldx, int64_t rows, int64_t dim, const W& w, float eps, float* y, int64_t ldy) {
@@ -144,16 +154,16 @@ void attention_block(const Dims& d, const Batch& b, const std::vector<at::Tensor
   const W in_norm = weight(w[kInNorm]), wa = weight(w[kWa]), qa_norm = weight(w[kQaNorm]), wq = weight(w[kWq]);
   const W kv_norm = weight(w[kKvNorm]), wo = weight(w[kWo]);
   const float* ba = w[kBa].defined() && w[kBa].numel() ? w[kBa].data_ptr<float>() : nullptr;
-  const int64_t na = wa.rows;                 // q_lora + R + P (or nh*D + R + P without q_lora)
+  const int64_t na = (d.q_lora ? d.q_lora : nh * D) + R + P;   // [q_c | c_kv | k_pe] (q itself without q_lora)
   const int64_t q_in = d.q_lora ? d.q_lora : 0;
   std::vector<float> h(T * H), a(T * na), q(T * nh * D), o(T * nh * R), tmp(std::max<int64_t>(D, 2 * P));
   norm(x, H, T, H, in_norm, d.eps, h.data(), H);
-  gemm(h.data(), H, T, wa, a.data(), na, ba);
+  gemm(h.data(), H, T, wa, na, a.data(), na, ba);
   const int64_t kv_off = na - (R + P);
   if (d.q_lora) {
     std::vector<float> qc(T * q_in);
     norm(a.data(), na, T, q_in, qa_norm, d.eps, qc.data(), q_in);
-    gemm(qc.data(), q_in, T, wq, q.data(), nh * D);
+    gemm(qc.data(), q_in, T, wq, nh * D, q.data(), nh * D);
   } else {
     for (int64_t t = 0; t < T; ++t) std::memcpy(&q[t * nh * D], &a[t * na], sizeof(float) * nh * D);
   }
@@ -188,17 +198,18 @@ void attention_block(const Dims& d, const Batch& b, const std::vector<at::Tensor
     run_rows(0, b.B);
   }
   std::vector<float>& out = h;   // reuse: [T, H]
-  gemm(o.data(), nh * R, T, wo, out.data(), H);
+  gemm(o.data(), nh * R, T, wo, H, out.data(), H);
   for (int64_t i = 0; i < T * H; ++i) x[i] += out[i];
 }
 
 // One SwiGLU MLP over n gathered rows: y = (silu(X W1^T) * (X W3^T)) W2^T, W13 = [W1 | W3] as [2I, H].
+// w13 packed [ceil(2I/64), H, 64], w2 packed [ceil(H/64), I, 64]; single-threaded (experts run in parallel).
 void mlp_rows(const float* X, int64_t n, int64_t H, const void* w13, const void* w2, int wtype, int64_t inter,
               float* Y) {
   std::vector<float> g(n * 2 * inter), act(n * inter);
-  K().gemm(X, H, n, w13, wtype, H, 0, 2 * inter, g.data(), 2 * inter, nullptr);
+  K().gemm(X, H, n, w13, wtype, H, 2 * inter, 0, (2 * inter + 63) / 64, g.data(), 2 * inter, nullptr);
   K().silu_mul(g.data(), 2 * inter, n, inter, act.data(), inter);
-  K().gemm(act.data(), inter, n, w2, wtype, inter, 0, H, Y, H, nullptr);
+  K().gemm(act.data(), inter, n, w2, wtype, inter, H, 0, (H + 63) / 64, Y, H, nullptr);
 }
 
 void route(const Dims& d, const float* h, int64_t T, const std::vector<at::Tensor>& w, std::vector<int64_t>& idx,
@@ -206,7 +217,7 @@ void route(const Dims& d, const float* h, int64_t T, const std::vector<at::Tenso
   const int64_t E = d.experts, k = d.top_k;
   std::vector<float> logits(T * E), scores(T * E);
   const W gate = weight(w[kGate]);
-  K().gemm(h, d.H, T, gate.p, gate.type, d.H, 0, E, logits.data(), E, nullptr);
+  K().gemm(h, d.H, T, gate.p, gate.type, d.H, E, 0, gate.panels, logits.data(), E, nullptr);
   K().sigmoid(logits.data(), T * E, scores.data());
   const float* bias = w[kGateBias].data_ptr<float>();
   const int64_t G = d.groups, per = E / std::max<int64_t>(G, 1);
@@ -260,11 +271,11 @@ void ffn_block(const Dims& d, int64_t T, const std::vector<at::Tensor>& w, float
   norm(x, H, T, H, weight(w[kPostNorm]), d.eps, h.data(), H);
   if (w[kMlpW13].defined() && w[kMlpW13].numel()) {   // dense MLP
     const W w13 = weight(w[kMlpW13]), w2 = weight(w[kMlpW2]);
-    const int64_t inter = w2.cols;
+    const int64_t inter = w2.k;
     std::vector<float> g(T * 2 * inter), act(T * inter);
-    gemm(h.data(), H, T, w13, g.data(), 2 * inter);
+    gemm(h.data(), H, T, w13, 2 * inter, g.data(), 2 * inter);
     K().silu_mul(g.data(), 2 * inter, T, inter, act.data(), inter);
-    gemm(act.data(), inter, T, w2, out.data(), H);
+    gemm(act.data(), inter, T, w2, H, out.data(), H);
     for (int64_t i = 0; i < T * H; ++i) x[i] += out[i];
     return;
   }
@@ -275,7 +286,10 @@ void ffn_block(const Dims& d, int64_t T, const std::vector<at::Tensor>& w, float
   const at::Tensor& e13 = w[kExpW13];
   const at::Tensor& e2 = w[kExpW2];
   const int wtype = wtype_of(e13);
+  TORCH_CHECK(e13.dim() == 4 && e2.dim() == 4 && e13.is_contiguous() && e2.is_contiguous(),
+              "decode_forward: stacked experts must be packed [E, panels, K, 64]");
   const int64_t inter = e2.size(2), esize = wtype == cpu::kBF16 ? 2 : 4;
+  const int64_t e13_stride = e13.size(1) * e13.size(2) * 64, e2_stride = e2.size(1) * e2.size(2) * 64;
   const char* e13p = static_cast<const char*>(e13.data_ptr());
   const char* e2p = static_cast<const char*>(e2.data_ptr());
   // tokens per chosen expert (each distinct expert once, over exactly its tokens)
@@ -291,7 +305,7 @@ void ffn_block(const Dims& d, int64_t T, const std::vector<at::Tensor>& w, float
     for (int64_t i = i0; i < i1; ++i) {
       if (i == static_cast<int64_t>(active.size())) {   // the shared expert, over every token
         const W s13 = weight(w[kShW13]), s2 = weight(w[kShW2]);
-        mlp_rows(h.data(), T, H, s13.p, s2.p, s13.type, s2.cols, shared_out.data());
+        mlp_rows(h.data(), T, H, s13.p, s2.p, s13.type, s2.k, shared_out.data());
         continue;
       }
       const int64_t e = active[i];
@@ -299,8 +313,7 @@ void ffn_block(const Dims& d, int64_t T, const std::vector<at::Tensor>& w, float
       const int64_t n = static_cast<int64_t>(ps.size());
       std::vector<float> X(n * H), Y(n * H);
       for (int64_t r = 0; r < n; ++r) std::memcpy(&X[r * H], &h[(ps[r] / k) * H], sizeof(float) * H);
-      mlp_rows(X.data(), n, H, e13p + e * 2 * inter * H * esize, e2p + e * H * inter * esize, wtype, inter,
-               Y.data());
+      mlp_rows(X.data(), n, H, e13p + e * e13_stride * esize, e2p + e * e2_stride * esize, wtype, inter, Y.data());
       for (int64_t r = 0; r < n; ++r) std::memcpy(&ybuf[ps[r] * H], &Y[r * H], sizeof(float) * H);
     }
   };
@@ -412,7 +425,7 @@ at::Tensor decode_forward_cpu(const at::Tensor& ids, const at::Tensor& embed, co
       std::vector<float> cat(T * 2 * H);
       norm(x.data(), H, T, H, weight(lw[kENorm]), d.eps, cat.data(), 2 * H);
       norm(hid.data_ptr<float>(), H, T, H, weight(lw[kHNorm]), d.eps, cat.data() + H, 2 * H);
-      gemm(cat.data(), 2 * H, T, weight(lw[kEhProj]), x.data(), H);
+      gemm(cat.data(), 2 * H, T, weight(lw[kEhProj]), H, x.data(), H);
     }
     attention_block(d, b, lw, caches[l], x.data());
     ffn_block(d, T, lw, x.data());
@@ -431,13 +444,15 @@ at::Tensor decode_forward_cpu(const at::Tensor& ids, const at::Tensor& embed, co
   return embed.scalar_type() == at::kFloat ? out : out.to(embed.scalar_type());
 }
 
-// y [T, N] fp32 = x [T, K] @ w [N, K]^T with the batch-invariant kernel (the LM head of the native path).
-at::Tensor linear_bi_cpu(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bi: x [T, K] and w [N, K] expected");
-  const at::Tensor xf = x.to(at::kFloat).contiguous(), wc = w.contiguous();
-  at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options().dtype(at::kFloat));
-  gemm(xf.data_ptr<float>(), x.size(1), x.size(0), wc.data_ptr(), wtype_of(wc), w.size(0), w.size(1),
-       y.data_ptr<float>(), w.size(0));
+// y [T, N] fp32 = x [T, K] @ W^T, W [N, K] packed [ceil(N/64), K, 64], with the batch-invariant kernel.
+at::Tensor linear_bi_cpu(const at::Tensor& x, const at::Tensor& w_packed, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 3 && w_packed.size(2) == 64 && x.size(1) == w_packed.size(1) &&
+                  n >= 0 && n <= w_packed.size(0) * 64,
+              "linear_bi: x [T, K] and a packed weight [ceil(N/64), K, 64] with N = n expected");
+  const at::Tensor xf = x.to(at::kFloat).contiguous(), wc = w_packed.contiguous();
+  at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
+  gemm(xf.data_ptr<float>(), x.size(1), x.size(0), wc.data_ptr(), wtype_of(wc), wc.size(0), wc.size(1), n,
+       y.data_ptr<float>(), n);
   return y;
 }
 

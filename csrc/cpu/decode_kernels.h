@@ -21,10 +21,11 @@ enum WeightType : int { kF32 = 0, kBF16 = 1 };
 
 struct KernelTable {
   const char* isa;
-  // Y[t, n] = dot(X[t, :K], W[n, :K]) (+ bias[n]) for n in [n0, n1), t in [0, T).
-  // W is row-major [N, K] in wtype (bias fp32 or null); X fp32 with row stride ldx, Y with ldy.
-  void (*gemm)(const float* X, int64_t ldx, int64_t T, const void* W, int wtype, int64_t K, int64_t n0,
-               int64_t n1, float* Y, int64_t ldy, const float* bias);
+  // Y[t, n] = dot(X[t, :K], W[n, :K]) (+ bias[n]) for the outputs n of panels [p0, p1), t in [0, T).
+  // W [N, K] is packed in 64-row panels ([ceil(N/64), K, 64], zero rows past N; pack_weight() in
+  // mtp_core/model/native_decode.py) in wtype; bias fp32 or null; X fp32 with row stride ldx, Y ldy.
+  void (*gemm)(const float* X, int64_t ldx, int64_t T, const void* W, int wtype, int64_t K, int64_t N, int64_t p0,
+               int64_t p1, float* Y, int64_t ldy, const float* bias);
   // y = w * (x * 1/sqrt(mean(x^2) + eps)) for each of `rows` rows of `dim` (strides ldx, ldy); w in wtype.
   void (*rms_norm)(const float* x, int64_t ldx, int64_t rows, int64_t dim, const void* w, int wtype, float eps,
                    float* y, int64_t ldy);

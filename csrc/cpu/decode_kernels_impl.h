@@ -166,53 +166,64 @@ inline VF wload(const WT* p, int64_t n) {
   return n >= kLanes ? vload(p) : vload_n(p, n);
 }
 
-// ---- GEMM: RN weight rows x TT tokens per register tile ------------------------------------------
-template <typename WT, int RN, int TT>
-inline void gemm_tile(const float* X, int64_t ldx, const WT* W, int64_t K, float* Y, int64_t ldy,
-                      const float* bias, int64_t n) {
-  VF acc[RN][TT];
-  for (int r = 0; r < RN; ++r)
-    for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
-  for (int64_t k = 0; k < K; k += kLanes) {
-    const int64_t left = K - k;
-    VF w[RN];
-    for (int r = 0; r < RN; ++r) w[r] = wload(W + (n + r) * K + k, left);
+// ---- GEMM over a packed weight ------------------------------------------------------------------
+// W [N, K] is packed in panels of kPanel = 64 output rows: panel p holds W[64p .. 64p+63, k] for
+// k = 0..K-1 as K consecutive runs of 64 values (rows past N are zero). A register tile is TT tokens x
+// 64 outputs (4 vectors); each output is one chain of fused multiply-adds over k = 0..K-1, so its
+// rounding depends on K alone: not on T, on the tile, or on the thread.
+constexpr int64_t kPanel = 64;
+
+template <typename WT, int TT>
+inline void packed_tile(const float* X, int64_t ldx, const WT* P, int64_t K, float* Y, int64_t ldy,
+                        const float* bias, int64_t n, int64_t N) {
+  VF acc[TT][4];
+  for (int t = 0; t < TT; ++t)
+    for (int j = 0; j < 4; ++j) acc[t][j] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    const WT* row = P + k * kPanel;
+    const VF w0 = vload(row), w1 = vload(row + 16), w2 = vload(row + 32), w3 = vload(row + 48);
     for (int t = 0; t < TT; ++t) {
-      const VF x = wload(X + t * ldx + k, left);
-      for (int r = 0; r < RN; ++r) acc[r][t] = vfma(w[r], x, acc[r][t]);
+      const VF x = vset1(X[t * ldx + k]);
+      acc[t][0] = vfma(w0, x, acc[t][0]);
+      acc[t][1] = vfma(w1, x, acc[t][1]);
+      acc[t][2] = vfma(w2, x, acc[t][2]);
+      acc[t][3] = vfma(w3, x, acc[t][3]);
     }
   }
-  for (int t = 0; t < TT; ++t)
-    for (int r = 0; r < RN; ++r) Y[t * ldy + n + r] = vhsum(acc[r][t]) + (bias ? bias[n + r] : 0.f);
-}
-
-template <typename WT, int RN>
-inline void gemm_rows_tokens(const float* X, int64_t ldx, int64_t T, const WT* W, int64_t K, float* Y,
-                             int64_t ldy, const float* bias, int64_t n) {
-  int64_t t = 0;
-  for (; t + 4 <= T; t += 4) gemm_tile<WT, RN, 4>(X + t * ldx, ldx, W, K, Y + t * ldy, ldy, bias, n);
-  switch (T - t) {
-    case 3: gemm_tile<WT, RN, 3>(X + t * ldx, ldx, W, K, Y + t * ldy, ldy, bias, n); break;
-    case 2: gemm_tile<WT, RN, 2>(X + t * ldx, ldx, W, K, Y + t * ldy, ldy, bias, n); break;
-    case 1: gemm_tile<WT, RN, 1>(X + t * ldx, ldx, W, K, Y + t * ldy, ldy, bias, n); break;
-    default: break;
+  for (int j = 0; j < 4; ++j) {
+    const int64_t col = n + 16 * j, left = N - col;
+    if (left <= 0) break;
+    const VF b = bias ? (left >= kLanes ? vload(bias + col) : vload_n(bias + col, left)) : vzero();
+    for (int t = 0; t < TT; ++t) {
+      const VF y = bias ? vadd(acc[t][j], b) : acc[t][j];
+      if (left >= kLanes) vstore(Y + t * ldy + col, y); else vstore_n(Y + t * ldy + col, y, left);
+    }
   }
 }
 
 template <typename WT>
-void gemm_typed(const float* X, int64_t ldx, int64_t T, const WT* W, int64_t K, int64_t n0, int64_t n1, float* Y,
-                int64_t ldy, const float* bias) {
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) gemm_rows_tokens<WT, 4>(X, ldx, T, W, K, Y, ldy, bias, n);
-  for (; n < n1; ++n) gemm_rows_tokens<WT, 1>(X, ldx, T, W, K, Y, ldy, bias, n);
+void gemm_typed(const float* X, int64_t ldx, int64_t T, const WT* W, int64_t K, int64_t N, int64_t p0, int64_t p1,
+                float* Y, int64_t ldy, const float* bias) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const WT* P = W + p * K * kPanel;
+    const int64_t n = p * kPanel;
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) packed_tile<WT, 4>(X + t * ldx, ldx, P, K, Y + t * ldy, ldy, bias, n, N);
+    switch (T - t) {
+      case 3: packed_tile<WT, 3>(X + t * ldx, ldx, P, K, Y + t * ldy, ldy, bias, n, N); break;
+      case 2: packed_tile<WT, 2>(X + t * ldx, ldx, P, K, Y + t * ldy, ldy, bias, n, N); break;
+      case 1: packed_tile<WT, 1>(X + t * ldx, ldx, P, K, Y + t * ldy, ldy, bias, n, N); break;
+      default: break;
+    }
+  }
 }
 
-void gemm(const float* X, int64_t ldx, int64_t T, const void* W, int wtype, int64_t K, int64_t n0, int64_t n1,
-          float* Y, int64_t ldy, const float* bias) {
+void gemm(const float* X, int64_t ldx, int64_t T, const void* W, int wtype, int64_t K, int64_t N, int64_t p0,
+          int64_t p1, float* Y, int64_t ldy, const float* bias) {
   if (wtype == kBF16) {
-    gemm_typed(X, ldx, T, static_cast<const uint16_t*>(W), K, n0, n1, Y, ldy, bias);
+    gemm_typed(X, ldx, T, static_cast<const uint16_t*>(W), K, N, p0, p1, Y, ldy, bias);
   } else {
-    gemm_typed(X, ldx, T, static_cast<const float*>(W), K, n0, n1, Y, ldy, bias);
+    gemm_typed(X, ldx, T, static_cast<const float*>(W), K, N, p0, p1, Y, ldy, bias);
   }
 }
 

@@ -140,6 +140,7 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     # ---- the step ------------------------------------------------------------------------
+    @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Runs one engine step; returns the sequences that made progress (finished ones included)."""
         t0 = time.perf_counter()

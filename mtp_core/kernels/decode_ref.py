@@ -7,6 +7,9 @@ written in place), rope_cos / rope_sin [max_pos, P/2], positions [T] int64, slot
 query_start [B+1] int32, block_tables [B, max_blocks] int32, seqlens [B] int32 (context length of each
 row after this call's writes), final_norm [H] | None) -> hidden [T, H] in embed's dtype.
 
+Projection weights come packed in 64-row panels (pack_weight: W [N, K] -> [ceil(N/64), K, 64], rows past N
+zero; stacked experts [E, ceil(N/64), K, 64]); norms, biases and the router bias are plain vectors.
+
 Row b owns tokens query_start[b] .. query_start[b+1]-1 (consecutive positions, the last at seqlens[b]-1);
 its i-th token sees keys 0 .. seqlens[b] - nq_b + i. Weights are the decode-fused ones
 (MLAttention.fuse_for_decode): W_a = [q_a_proj | kv_a_proj_with_mqa], W_q absorbed per head into
@@ -23,6 +26,20 @@ WEIGHT_SLOTS = ("in_norm", "w_a", "b_a", "q_a_norm", "w_q", "kv_norm", "w_o", "p
 DIMS = ("hidden", "q_lora", "kv_lora", "rope", "heads", "experts", "top_k", "groups", "topk_groups",
         "norm_topk", "interleave")
 FPARAMS = ("eps", "softmax_scale", "routed_scale")
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """W [..., N, K] -> [..., ceil(N/64), K, 64]: 64 output rows per panel, k-major inside it."""
+    *lead, n, k = w.shape
+    padded = torch.zeros(*lead, -(-n // 64) * 64, k, dtype=w.dtype)
+    padded[..., :n, :] = w
+    return padded.view(*lead, -1, 64, k).transpose(-1, -2).contiguous()
+
+
+def unpack_weight(wp: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_weight: [..., P, K, 64] -> [..., n, K]."""
+    *lead, p, k, _ = wp.shape
+    return wp.transpose(-1, -2).reshape(*lead, p * 64, k)[..., :n, :]
 
 
 def _has(t: torch.Tensor | None) -> bool:
@@ -89,8 +106,15 @@ def decode_forward_ref(ids, embed, mtp_hidden, weights, dims, fparams, caches, r
     cos, sin = rope_cos[positions], rope_sin[positions]
     x = embed[ids].float()
     T = x.shape[0]
+    D = R + P
     for layer, cache in enumerate(caches):
         w = dict(zip(WEIGHT_SLOTS, weights[layer * len(WEIGHT_SLOTS):(layer + 1) * len(WEIGHT_SLOTS)]))
+        n_of = {"w_a": (d["q_lora"] or nh * D) + D, "w_q": nh * D, "w_o": H, "mlp_w2": H, "exp_w2": H, "sh_w2": H,
+                "eh_proj": H, "gate": d["experts"]}
+        for a, b in (("mlp_w13", "mlp_w2"), ("exp_w13", "exp_w2"), ("sh_w13", "sh_w2")):
+            if _has(w[b]):
+                n_of[a] = 2 * w[b].shape[-2]
+        w = {k: unpack_weight(v, n_of[k]) if k in n_of and _has(v) else v for k, v in w.items()}
         if _has(w["eh_proj"]):
             h = mtp_hidden.float()
             x = F.linear(torch.cat([_norm(x, w["enorm"], eps), _norm(h, w["hnorm"], eps)], -1), w["eh_proj"].float())
@@ -126,5 +150,5 @@ def decode_forward_ref(ids, embed, mtp_hidden, weights, dims, fparams, caches, r
     return x.to(embed.dtype)
 
 
-def linear_bi_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.float(), w.float())
+def linear_bi_ref(x: torch.Tensor, w_packed: torch.Tensor, n: int) -> torch.Tensor:
+    return F.linear(x.float(), unpack_weight(w_packed, n).float())

@@ -198,9 +198,10 @@ def decode_forward(ids, embed, mtp_hidden, weights, dims, fparams, caches, rope_
                               slot_mapping, query_start, block_tables, seqlens, final_norm)
 
 
-def linear_bi(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ w [N, K]^T -> float32 [T, N], each output reduced in an order independent of T."""
-    if NATIVE.cpu and x.device.type == "cpu" and w.dtype in _CPU_Q_DTYPES:
-        return torch.ops.mtp_core.linear_bi(x, w)
-    note_fallback("linear_bi", f"{x.device} {w.dtype}")
-    return linear_bi_ref(x, w)
+def linear_bi(x: torch.Tensor, w_packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [T, K] @ W^T -> float32 [T, n] (W [n, K] packed by decode_ref.pack_weight), each output reduced in
+    an order independent of T."""
+    if NATIVE.cpu and x.device.type == "cpu" and w_packed.dtype in _CPU_Q_DTYPES:
+        return torch.ops.mtp_core.linear_bi(x, w_packed, n)
+    note_fallback("linear_bi", f"{x.device} {w_packed.dtype}")
+    return linear_bi_ref(x, w_packed, n)

@@ -40,8 +40,8 @@ def register_fakes() -> None:
         return embed.new_empty((ids.shape[0], embed.shape[1]))                          # [T, H]
 
     @torch.library.register_fake("mtp_core::linear_bi")
-    def _linear_bi(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32)              # [T, N]
+    def _linear_bi(x: torch.Tensor, w_packed: torch.Tensor, n: int) -> torch.Tensor:
+        return x.new_empty((x.shape[0], n), dtype=torch.float32)                       # [T, n]
 
     @torch.library.register_fake("mtp_core::nvfp4_quantize")
     def _nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from mtp_core import kernels
-from mtp_core.kernels.decode_ref import DIMS, WEIGHT_SLOTS
+from mtp_core.kernels.decode_ref import DIMS, WEIGHT_SLOTS, pack_weight
 from mtp_core.model.attention_metadata import AttentionMetadata
 from mtp_core.model.layers import MLP
 from mtp_core.model.moe import MoE
@@ -48,7 +48,8 @@ class NativeDecoder:
         self.main_weights = [w for ws in layer_weights[:self.num_main] for w in ws]
         self.final_norm = _c(model.model.norm.weight)
         self.embed = _c(model.model.embed_tokens.weight)
-        self.lm_head = _c(model.lm_head.weight)
+        self.lm_head = pack_weight(model.lm_head.weight.detach())
+        self.vocab = model.lm_head.weight.shape[0]
         self._rope_len = 0
         self._grow_rope(int(model.config.max_position_embeddings) + 64)
 
@@ -105,35 +106,30 @@ class NativeDecoder:
 
     @staticmethod
     def _layer_weights(layer: nn.Module) -> list[torch.Tensor]:
+        """The layer's decode weights in WEIGHT_SLOTS order; projections packed (a copy: decode reads only
+        these, prefill the model's own)."""
         w = {k: _none() for k in WEIGHT_SLOTS}
+        P = lambda t: pack_weight(t.detach())  # noqa: E731
         attn = layer.self_attn
         w_a, b_a, w_q, w_o = attn.decode_weights
-        w.update(in_norm=_c(layer.input_layernorm.weight), w_a=_c(w_a), w_o=_c(w_o),
+        w.update(in_norm=_c(layer.input_layernorm.weight), w_a=P(w_a), w_o=P(w_o),
                  kv_norm=_c(attn.kv_a_layernorm.weight), post_norm=_c(layer.post_attention_layernorm.weight))
         if b_a is not None:
             w["b_a"] = _c(b_a.float())
         if attn.q_lora_rank is not None:
-            w.update(q_a_norm=_c(attn.q_a_layernorm.weight), w_q=_c(w_q))
+            w.update(q_a_norm=_c(attn.q_a_layernorm.weight), w_q=P(w_q))
         mlp = layer.mlp
+        gate_up = lambda m: torch.cat([m.gate_proj.weight, m.up_proj.weight])  # noqa: E731
         if type(mlp) is MLP:
-            w.update(mlp_w13=_c(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])), mlp_w2=_c(mlp.down_proj.weight))
+            w.update(mlp_w13=P(gate_up(mlp)), mlp_w2=P(mlp.down_proj.weight))
         else:
-            E = len(mlp.experts)
-            w.update(gate=_c(mlp.gate.weight.float()), gate_bias=_c(mlp.gate.e_score_correction_bias.float()))
-            if mlp.stacked is not None:   # views of the stacked experts, the shared one last (no copy)
-                w13, w2 = mlp.stacked
-                w13 = w13.view(w2.shape[0], -1, w13.shape[-1])
-                w.update(exp_w13=w13[:E], exp_w2=w2[:E])
-                if mlp.shared_experts is not None:
-                    w.update(sh_w13=w13[E], sh_w2=w2[E])
-            else:
-                w.update(exp_w13=_c(torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in mlp.experts])),
-                         exp_w2=_c(torch.stack([e.down_proj.weight for e in mlp.experts])))
-                if mlp.shared_experts is not None:
-                    s = mlp.shared_experts
-                    w.update(sh_w13=_c(torch.cat([s.gate_proj.weight, s.up_proj.weight])), sh_w2=_c(s.down_proj.weight))
+            w.update(gate=P(mlp.gate.weight.float()), gate_bias=_c(mlp.gate.e_score_correction_bias.float()),
+                     exp_w13=P(torch.stack([gate_up(e) for e in mlp.experts])),
+                     exp_w2=P(torch.stack([e.down_proj.weight for e in mlp.experts])))
+            if mlp.shared_experts is not None:
+                w.update(sh_w13=P(gate_up(mlp.shared_experts)), sh_w2=P(mlp.shared_experts.down_proj.weight))
         if hasattr(layer, "eh_proj"):
-            w.update(enorm=_c(layer.enorm.weight), hnorm=_c(layer.hnorm.weight), eh_proj=_c(layer.eh_proj.weight),
+            w.update(enorm=_c(layer.enorm.weight), hnorm=_c(layer.hnorm.weight), eh_proj=P(layer.eh_proj.weight),
                      head_norm=_c(layer.shared_head.norm.weight))
         return [w[k] for k in WEIGHT_SLOTS]
 
@@ -172,4 +168,4 @@ class NativeDecoder:
         return self._call(ids, hidden.contiguous(), self.layer_weights[layer], [caches[layer]], meta, None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return kernels.linear_bi(hidden, self.lm_head)
+        return kernels.linear_bi(hidden, self.lm_head, self.vocab)
