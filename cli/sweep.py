@@ -125,6 +125,7 @@ def sweep_command(
                     row["floor_step_ms"], row["roofline"] = rf["floor_step_ms"], rf
                 rows.append(row)
         sw.add_speedups(rows)
+        costs = sw.forward_costs(model, base, eos, prompts[0]) if model.num_mtp_modules else None
         peer_rows = None
         if peers:
             from mtp_core.bench.peers import ASSISTED_NOTE, run_hf_peers
@@ -133,13 +134,17 @@ def sweep_command(
                                          eos[0] if eos else 0, prompt_lookup_num_tokens, min(warmup, 1),
                                          reference if ignore_eos else None, on_finish=advance)
         print(sw.format_table(rows, peer_rows), flush=True)
+        if costs:
+            print(f"one MTP module forward / one main forward (1 token): {costs['mtp_over_main']:.3f} "
+                  f"({costs['mtp_forward_ms']:.3f} / {costs['main_forward_ms']:.3f} ms, "
+                  f"{'native' if costs['native'] else 'torch'} decode forward)", flush=True)
         if peers:
             print(f"note: {ASSISTED_NOTE}", flush=True)
         if bandwidth:
             print(f"roofline: memory bandwidth {bandwidth / 1e9:.2f} GB/s with {machine_info()['torch_num_threads']} "
                   "thread(s); floor = bytes read per batch-1 step / bandwidth", flush=True)
         report = {"engine": engine_info(cfg, model), "machine": machine_info(cfg.device), "dataset": ds,
-                  "settings": rows, "peers": peer_rows, "bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
+                  "settings": rows, "peers": peer_rows, "forward_costs": costs, "bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
                   "concurrency": concurrency, "ignore_eos": ignore_eos}
         if accuracy:
             report["accuracy"] = _accuracy(sw, model, base, eos, think, tok, settings, accuracy_per_family,

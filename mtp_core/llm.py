@@ -1,6 +1,8 @@
 """The public facade: tokenizer + chat template + engine."""
 from __future__ import annotations
 
+import gc
+
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional, Sequence as Seq, Union
@@ -48,6 +50,10 @@ class LLM:
             if isinstance(e, int) and e not in eos:
                 eos.append(e)
         self.engine = Engine(self.model, config, eos, self.tokenizer.think_token_ids(), iter_log=iter_log)
+        # everything built so far lives as long as the engine: keep the cyclic GC from re-scanning it on every
+        # collection a decode step's small allocations trigger (measured: ~17% of a native decode call's time)
+        gc.collect()
+        gc.freeze()
 
     # ---- prompts -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:

@@ -188,7 +188,7 @@ void attention_block(const Dims& d, const Batch& b, const std::vector<at::Tensor
   const int ctype = bf16_cache ? cpu::kBF16 : cpu::kF32;
   const int64_t page = cache.size(1);
   auto run_rows = [&](int64_t b0, int64_t b1) {
-    std::vector<float> scratch(nh * std::max<int64_t>(b.max_ctx, 1));
+    std::vector<float> scratch(nh * (std::max<int64_t>(b.max_ctx, 1) + 1));
     K().attention(q.data(), T, nh, R, P, cache.data_ptr(), ctype, page, b.tables, b.max_blocks, b.qstart, b.ctx, b.B,
                   b0, b1, d.scale, o.data(), scratch.data());
   };

@@ -284,6 +284,54 @@ void sigmoid(const float* x, int64_t n, float* y) {
 }
 
 // ---- attention ----------------------------------------------------------------------------------
+// o[hh, r0 .. r0+rlen) = inv[hh] * sum_j p[hh, j] * c_kv_j[r0 ..] for NH heads (probabilities p with row
+// stride `visible`), accumulated in registers over the keys in order.
+template <typename CT, int NH>
+inline void attn_out_tile(const float* p, int64_t visible, const CT* cache, const int32_t* table, int64_t page,
+                          int64_t D, int64_t r0, int64_t rlen, float* o, int64_t R, const float* inv) {
+  VF acc[NH][4];
+  for (int hh = 0; hh < NH; ++hh)
+    for (int c = 0; c < 4; ++c) acc[hh][c] = vzero();
+  const int nc = static_cast<int>((rlen + kLanes - 1) / kLanes);
+  int64_t blk = 0, off = 0;   // key j lives at (table[blk], off): a running counter, no division per key
+  for (int64_t j = 0; j < visible; ++j, ++off) {
+    if (off == page) { off = 0; ++blk; }
+    const CT* key = cache + (static_cast<int64_t>(table[blk]) * page + off) * D + r0;
+    VF k[4];
+    for (int c = 0; c < 4; ++c) k[c] = c < nc ? wload(key + 16 * c, rlen - 16 * c) : vzero();
+    for (int hh = 0; hh < NH; ++hh) {
+      const VF w = vset1(p[hh * visible + j]);
+      for (int c = 0; c < 4; ++c) acc[hh][c] = vfma(w, k[c], acc[hh][c]);
+    }
+  }
+  for (int hh = 0; hh < NH; ++hh) {
+    const VF s = vset1(inv[hh]);
+    for (int c = 0; c < nc; ++c) {
+      const int64_t left = rlen - 16 * c;
+      const VF y = vmul(acc[hh][c], s);
+      if (left >= kLanes) vstore(o + hh * R + 16 * c, y); else vstore_n(o + hh * R + 16 * c, y, left);
+    }
+  }
+}
+
+// s[hh, j] = q_hh . k_j * scale for NH heads (queries with row stride D) and keys j < visible, in order.
+template <typename CT, int NH>
+inline void attn_scores_tile(const float* q, int64_t D, const CT* cache, const int32_t* table, int64_t page,
+                             int64_t visible, float scale, float* s) {
+  int64_t blk = 0, off = 0;
+  for (int64_t j = 0; j < visible; ++j, ++off) {
+    if (off == page) { off = 0; ++blk; }
+    const CT* key = cache + (static_cast<int64_t>(table[blk]) * page + off) * D;
+    VF acc[NH];
+    for (int hh = 0; hh < NH; ++hh) acc[hh] = vzero();
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const VF k = wload(key + d, D - d);
+      for (int hh = 0; hh < NH; ++hh) acc[hh] = vfma(wload(q + hh * D + d, D - d), k, acc[hh]);
+    }
+    for (int hh = 0; hh < NH; ++hh) s[hh * visible + j] = vhsum(acc[hh]) * scale;
+  }
+}
+
 template <typename CT>
 void attention_typed(const float* q, int64_t H, int64_t R, int64_t P, const CT* cache, int64_t page,
                      const int32_t* tables, int64_t max_blocks, const int32_t* qstart, const int32_t* ctx,
@@ -297,18 +345,20 @@ void attention_typed(const float* q, int64_t H, int64_t R, int64_t P, const CT* 
       const int64_t visible = ctx[b] - nq + i + 1;
       const float* qt = q + t * H * D;
       float* ot = out + t * H * R;
+      float* inv = scores + H * visible;   // [H] after the scores
       if (visible <= 0) {
         for (int64_t d = 0; d < H * R; ++d) ot[d] = 0.f;
         continue;
       }
-      // scores[h, j] = q_h . k_j * scale, every head against one key at a time
-      for (int64_t j = 0; j < visible; ++j) {
-        const CT* key = cache + (static_cast<int64_t>(table[j / page]) * page + j % page) * D;
-        for (int64_t h = 0; h < H; ++h) {
-          const float* qh = qt + h * D;
-          VF acc = vzero();
-          for (int64_t d = 0; d < D; d += kLanes) acc = vfma(wload(qh + d, D - d), wload(key + d, D - d), acc);
-          scores[h * visible + j] = vhsum(acc) * scale;
+      // scores[h, j] = q_h . k_j * scale: up to 4 heads against one key at a time (independent chains)
+      for (int64_t h0 = 0; h0 < H; h0 += 4) {
+        float* sh = scores + h0 * visible;
+        const float* qh = qt + h0 * D;
+        switch (H - h0 < 4 ? H - h0 : 4) {
+          case 4: attn_scores_tile<CT, 4>(qh, D, cache, table, page, visible, scale, sh); break;
+          case 3: attn_scores_tile<CT, 3>(qh, D, cache, table, page, visible, scale, sh); break;
+          case 2: attn_scores_tile<CT, 2>(qh, D, cache, table, page, visible, scale, sh); break;
+          default: attn_scores_tile<CT, 1>(qh, D, cache, table, page, visible, scale, sh); break;
         }
       }
       for (int64_t h = 0; h < H; ++h) {
@@ -332,24 +382,20 @@ void attention_typed(const float* q, int64_t H, int64_t R, int64_t P, const CT* 
             sum = vadd(sum, vload_n(s + j, left));   // masked lanes read back as 0
           }
         }
-        const float inv = 1.0f / vhsum(sum);
-        // out_h = sum_j p_j * c_kv_j / sum(p), keys in order
-        float* oh = ot + h * R;
-        for (int64_t d = 0; d < R; ++d) oh[d] = 0.f;
-        for (int64_t j = 0; j < visible; ++j) {
-          const CT* key = cache + (static_cast<int64_t>(table[j / page]) * page + j % page) * D;
-          const VF p = vset1(s[j]);
-          for (int64_t d = 0; d < R; d += kLanes) {
-            const int64_t left = R - d;
-            if (left >= kLanes) vstore(oh + d, vfma(p, vload(key + d), vload(oh + d)));
-            else vstore_n(oh + d, vfma(p, vload_n(key + d, left), vload_n(oh + d, left)), left);
+        inv[h] = 1.0f / vhsum(sum);
+      }
+      // out_h = sum_j p_hj * c_kv_j / sum_j p_hj, keys in order; register tiles of 4 heads x 64 latents
+      for (int64_t h0 = 0; h0 < H; h0 += 4) {
+        for (int64_t r0 = 0; r0 < R; r0 += 64) {
+          const int64_t rlen = R - r0 < 64 ? R - r0 : 64;
+          float* o = ot + h0 * R + r0;
+          const float* sh = scores + h0 * visible;
+          switch (H - h0 < 4 ? H - h0 : 4) {
+            case 4: attn_out_tile<CT, 4>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + h0); break;
+            case 3: attn_out_tile<CT, 3>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + h0); break;
+            case 2: attn_out_tile<CT, 2>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + h0); break;
+            default: attn_out_tile<CT, 1>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + h0); break;
           }
-        }
-        const VF vinv = vset1(inv);
-        for (int64_t d = 0; d < R; d += kLanes) {
-          const int64_t left = R - d;
-          if (left >= kLanes) vstore(oh + d, vmul(vload(oh + d), vinv));
-          else vstore_n(oh + d, vmul(vload_n(oh + d, left), vinv), left);
         }
       }
     }

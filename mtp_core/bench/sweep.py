@@ -80,6 +80,44 @@ def run_setting(model: Any, base: LLMConfig, eos: list[int], think_ids: Optional
     return run_requests(engine, prompts, output_tokens, concurrency, ignore_eos, on_finish=on_finish)
 
 
+def forward_costs(model: Any, base: LLMConfig, eos: list[int], prompt: list[int], repeats: int = 200) -> dict:
+    """One target forward vs one MTP module forward, 1 token each, at the context of `prompt` (a throwaway
+    engine: the timed calls rewrite the cache slot of the prompt's last position). Best of 5 rounds."""
+    import time
+
+    import torch
+
+    from mtp_core.model import AttentionMetadata
+    from mtp_core.sampling import SamplingParams
+
+    engine = Engine(model, setting_config(base, Setting("eagle", 1)), eos, None)
+    seq = engine.add_request(list(prompt), SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished() and seq.num_cached < len(prompt):
+        engine.step()
+    pos = len(prompt) - 1
+    meta = AttentionMetadata.build([[pos]], [list(seq.block_table) or [0]], engine.blocks.tokens_per_block,
+                                   use_absorbed=True, device=base.device)
+    ids = torch.tensor(prompt[-1:], device=base.device)
+    out: dict[str, float] = {}
+    with torch.inference_mode():
+        hidden = model(ids, meta, engine.caches)
+        calls = {"main_forward_ms": lambda: model(ids, meta, engine.caches),
+                 "mtp_forward_ms": lambda: model.mtp_forward(0, ids, hidden, meta, engine.caches)}
+        for name, f in calls.items():
+            f()
+            best = float("inf")
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(max(1, repeats // 5)):
+                    f()
+                best = min(best, (time.perf_counter() - t0) / max(1, repeats // 5))
+            out[name] = best * 1e3
+    engine.abort(seq) if not seq.is_finished else None
+    out["mtp_over_main"] = out["mtp_forward_ms"] / out["main_forward_ms"]
+    out["native"] = model.native is not None
+    return out
+
+
 def summary_row(s: Setting, records: list[RequestRecord]) -> dict:
     info, perf = summarize_performance(records)
     dec = summarize_decoding(records, s.K, s.label)
@@ -97,13 +135,19 @@ def summary_row(s: Setting, records: list[RequestRecord]) -> dict:
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
-    """speed-up = tokens/s/user over nextn=0's; engine efficiency = speed-up / AL."""
+    """speed-up = tokens/s/user over nextn=0's; engine efficiency = speed-up / AL. With a roofline:
+    ideal speed-up = AL x floor(nextn=0) / floor(this setting) (the ceiling the bytes impose at batch 1:
+    the verify forward reads the experts of every token it checks) and speed-up / ideal."""
     base = next((r for r in rows if r["K"] == 0), None)
     if base is None or not base["tokens_per_s_user"]:
         raise ValueError("the sweep needs its nextn=0 row to compute speed-ups")
     for r in rows:
         r["speedup"] = r["tokens_per_s_user"] / base["tokens_per_s_user"]
         r["engine_efficiency"] = r["speedup"] / r["acceptance_length"] if r["acceptance_length"] else None
+        if r.get("floor_step_ms") and base.get("floor_step_ms"):
+            r["ideal_speedup"] = r["acceptance_length"] * base["floor_step_ms"] / r["floor_step_ms"]
+            r["speedup_over_ideal"] = r["speedup"] / r["ideal_speedup"]
+            r["floor_over_measured"] = r["floor_step_ms"] / r["measured_step_ms"] if r["measured_step_ms"] else None
     return rows
 
 
@@ -116,14 +160,16 @@ def best_lossless(rows: list[dict]) -> dict:
 def format_table(rows: list[dict], peers: Optional[list[dict]] = None) -> str:
     roof = any(r.get("floor_step_ms") is not None for r in rows)
     head = f"{'setting':<34}{'mode':<9}{'K':>3}{'AL':>8}{'accept':>8}{'tok/s/user':>12}{'speedup':>9}{'effic.':>8}"
-    head += f"{'floor ms':>10}{'step ms':>9}" if roof else ""
+    head += f"{'floor ms':>10}{'step ms':>9}{'floor/step':>11}{'ideal':>8}{'sp/ideal':>9}" if roof else ""
     lines = [head, "-" * len(head)]
     for r in rows:
         line = (f"{r['label']:<34}{r['mode']:<9}{r['K']:>3}{r['acceptance_length']:>8.3f}"
                 f"{r['draft_acceptance_rate']:>8.3f}{r['tokens_per_s_user']:>12.2f}{r['speedup']:>8.2f}x"
                 f"{(r['engine_efficiency'] or 0):>8.3f}")
         if roof:
-            line += f"{r.get('floor_step_ms') or 0:>10.3f}{r['measured_step_ms']:>9.3f}"
+            line += (f"{r.get('floor_step_ms') or 0:>10.3f}{r['measured_step_ms']:>9.3f}"
+                     f"{r.get('floor_over_measured') or 0:>11.3f}{r.get('ideal_speedup') or 0:>7.2f}x"
+                     f"{r.get('speedup_over_ideal') or 0:>9.3f}")
         lines.append(line)
     if peers:
         base = next(r for r in rows if r["K"] == 0)

@@ -118,21 +118,27 @@ class AttentionMetadata:
         flat_pos = [x for p in positions for x in p]
         slot_mapping = [block_tables[b][x // bs] * bs + x % bs for b, p in enumerate(positions) for x in p]
         max_blocks = max(len(t) for t in block_tables)
-        tables_i32 = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.int32)
         if use_absorbed is None:
             use_absorbed = q_max <= 8
         dev = torch.device(device)
-        return cls(
-            positions=torch.tensor(flat_pos, dtype=torch.long, device=dev),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+        # two host->tensor conversions per forward: int64 [positions | slots], int32 [seqlens | starts | tables]
+        B = len(positions)
+        i64 = torch.tensor([flat_pos, slot_mapping], dtype=torch.long).to(dev)
+        i32 = torch.tensor(context_lens + query_start + [b for t in block_tables for b in t + [0] * (max_blocks - len(t))],
+                           dtype=torch.int32).to(dev)
+        meta = cls(
+            positions=i64[0],
+            slot_mapping=i64[1],
             query_start=query_start,
             context_lens=context_lens,
             use_absorbed=use_absorbed,
-            block_tables_i32=tables_i32.to(dev),
-            seqlens_i32=torch.tensor(context_lens, dtype=torch.int32, device=dev),
+            block_tables_i32=i32[2 * B + 1:].view(B, max_blocks),
+            seqlens_i32=i32[:B],
             uniform_q=all(len(p) == q_max for p in positions),
             row_positions=[list(p) for p in positions],
             block_tables=block_tables,
             tokens_per_block=tokens_per_block,
             num_rows=len(positions),
         )
+        meta.__dict__["_query_start_i32"] = i32[B:2 * B + 1]
+        return meta

@@ -168,4 +168,5 @@ class NativeDecoder:
         return self._call(ids, hidden.contiguous(), self.layer_weights[layer], [caches[layer]], meta, None)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return kernels.linear_bi(hidden, self.lm_head, self.vocab)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return kernels.linear_bi(flat, self.lm_head, self.vocab).view(*hidden.shape[:-1], self.vocab)
