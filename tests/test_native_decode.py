@@ -260,3 +260,15 @@ def test_why_not_reports_reasons(monkeypatch) -> None:
     monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
     assert NativeDecoder.why_not(model) == "MTP_CORE_NATIVE_DECODE=0"
     assert len(WEIGHT_SLOTS) == 20
+
+
+def test_bf16_native_greedy_mtp_equals_plain_greedy(tiny3_dir) -> None:
+    """bf16 weights (half the bytes, fp32 activations): its own greedy-equality with and without MTP."""
+    from mtp_core.loader import load_model
+    model = load_model(tiny3_dir, "bfloat16")[0]
+    base = make_engine(model, max_batch_size=8)
+    assert model.native is not None and model.native.embed.dtype == torch.bfloat16
+    want = [s.output_ids for s in run_to_end(base, PROMPTS, greedy(24))]
+    for nextn, mode in ((2, "eagle"), (3, "vanilla")):
+        eng = make_engine(model, nextn=nextn, mode=mode, max_batch_size=8)
+        assert [s.output_ids for s in run_to_end(eng, PROMPTS, greedy(24))] == want, (nextn, mode)
