@@ -106,8 +106,7 @@ SCHEMA: dict[str, Leaf | Section] = {
 
 _ALIASES = {("speculative_config", "max_draft_len"): ("speculative_config", "num_nextn_predict_layers")}
 _OPTIONAL = {"cuda_graph_config": CudaGraphConfig, "speculative_config": SpeculativeConfig}
-_NO_EFFECT = {("enable_attention_dp",): "one device; attention data parallelism is not implemented",
-              ("kv_cache_config", "enable_block_reuse"): "KV blocks are not reused across requests"}
+_NO_EFFECT = {("enable_attention_dp",): "one device; attention data parallelism is not implemented"}
 
 # Pre-1.0 key -> (new path, how to write it now, value transform or None for "same value").
 _OLD: dict[str, tuple[tuple[str, ...], str, Callable[[Any], Any] | None]] = {
