@@ -76,7 +76,7 @@ SCHEMA: dict[str, Leaf | Section] = {
         "tokens_per_block": _int(1, "tokens_per_block"),
         "max_tokens": _int(1, nullable=True),
         "dtype": _choice(("auto", "fp8", "float32", "bfloat16", "float16"), str.lower, "kv_cache_dtype"),
-        "enable_block_reuse": _bool("kv_cache_enable_block_reuse"),
+        "enable_block_reuse": _bool("disable_kv_cache_reuse"),
     }),
     "moe_config": Section({
         "backend": _choice(_MOE_BACKENDS, lambda s: "auto" if s.lower() == "auto" else s.upper(),

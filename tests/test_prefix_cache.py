@@ -279,3 +279,194 @@ def test_reuse_policy_per_drafting_mode():
     assert ReusePolicy.for_drafting("vanilla", 3) == ReusePolicy(True, 3, 2)
     s = PrefixCacheStats()
     assert s.token_hit_rate == 0.0 and s.block_hit_rate == 0.0
+
+
+# ---- state machine: the block manager under random request lifecycles, with a shadow of every slot ---
+
+from hypothesis import settings, strategies as st                                   # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule  # noqa: E402
+
+GARBAGE = ("garbage",)
+
+
+class PrefixLifecycle(RuleBasedStateMachine):
+    """Requests over a 2-token alphabet (so prefixes collide all the time) go through admit (lookup, map,
+    compute the rest), decode steps (K+1 target slots, random acceptance, MTP entries for the newly
+    valid positions, K-1 garbage overshoot, Vanilla's window rewrite, rewind), finish, abort, preemption
+    (re-admitted later over prompt + output) and eviction pressure. Each slot's shadow records what it
+    holds: main = the tokens up to its position, MTP = those plus the next token. Checked: no write ever
+    lands in a shared or registered block; every request's valid slots hold its own tokens; every
+    registered block holds exactly the content its key names; reference counts and the free / cached /
+    held partition are exact; the pool is whole at the end."""
+
+    @initialize(num_blocks=st.integers(3, 16), tpb=st.integers(1, 4), K=st.integers(0, 3),
+                vanilla=st.booleans())
+    def setup(self, num_blocks, tpb, K, vanilla):
+        self.bm = BlockManager(num_blocks, tpb, enable_reuse=True)
+        self.K = K
+        self.policy = ReusePolicy.for_drafting("vanilla" if vanilla else "eagle", K)
+        self.shadow: dict[tuple[int, int], tuple[tuple, tuple]] = {}
+        self.bm.copy_block = self._copy
+        self.running: dict[int, dict] = {}
+        self.waiting: list[list[int]] = []
+        self.next_id = 0
+
+    # ---- simulated device ----
+    def _copy(self, src: int, dst: int) -> None:
+        for o in range(self.bm.tokens_per_block):
+            if (src, o) in self.shadow:
+                self.shadow[(dst, o)] = self.shadow[(src, o)]
+
+    def _write(self, s: dict, q: int, main: tuple | None, mtp: tuple | None) -> None:
+        bs = self.bm.tokens_per_block
+        b = s["table"][q // bs]
+        assert self.bm.ref_counts[b] == 1, f"write into block {b} shared by {self.bm.ref_counts[b]} tables"
+        assert b not in self.bm.key_of, f"write into registered block {b}"
+        old = self.shadow.get((b, q % bs), (GARBAGE, GARBAGE))
+        self.shadow[(b, q % bs)] = (main if main is not None else old[0], mtp if mtp is not None else old[1])
+
+    def _truth(self, toks: list[int], q: int) -> tuple[tuple, tuple]:
+        return tuple(toks[:q + 1]), (tuple(toks[:q + 2]) if self.K else GARBAGE)
+
+    def _settle(self, s: dict, final: bool) -> None:
+        valid = s["cached"] - (0 if final else self.policy.write_lag)
+        s["settled"] = self.bm.register(s["table"], s["toks"], extend_digests(s["digests"], s["toks"],
+                                        self.bm.tokens_per_block), valid, self.policy.mtp, s["settled"])
+
+    # ---- rules ----
+    @rule(prompt=st.lists(st.integers(7, 8), min_size=1, max_size=14), out=st.integers(7, 8))
+    def add(self, prompt, out):
+        self.waiting.append(prompt)
+        self._admit(out)
+
+    @precondition(lambda self: bool(getattr(self, "waiting", None)))
+    @rule(out=st.integers(7, 8))
+    def admit_waiting(self, out):
+        self._admit(out)
+
+    def _admit(self, out: int) -> None:
+        toks = self.waiting[0]
+        L, over = len(toks), max(self.K - 1, 0)
+        digests = extend_digests([], toks, self.bm.tokens_per_block)
+        hit = self.bm.lookup(toks, digests, self.policy.mtp, self.policy.min_chunk)
+        if hit is not None and not self.bm.can_map(hit, L + over):
+            hit = None
+        if hit is None and not self.bm.can_reserve([], L + over):
+            return                                          # stays waiting
+        self.waiting.pop(0)
+        s = {"toks": list(toks), "table": [], "cached": 0, "settled": 0, "digests": digests}
+        if hit is not None:
+            self.bm.map_prefix(s["table"], hit)
+            s["settled"] = hit.copy_from
+            self.bm.stats.record(L, len(digests), hit)
+        start = hit.start if hit else 0
+        if start:
+            assert L - start >= min(self.policy.min_chunk, L)
+        self.bm.reserve(s["table"], L + over)
+        s["toks"].append(out)                               # the prefill's output token
+        for q in range(start, L):
+            self._write(s, q, *self._truth(s["toks"], q))
+        for q in range(L, L + over):
+            self._write(s, q, None, GARBAGE)                # the draft chain's overshoot
+        s["cached"] = L
+        self.bm.rewind(s["table"], L)
+        self._settle(s, final=False)
+        self.running[self.next_id] = s
+        self.next_id += 1
+
+    @precondition(lambda self: bool(getattr(self, "running", None)))
+    @rule(data=st.data())
+    def decode(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.running)))
+        s, K = self.running[sid], self.K
+        V0 = s["cached"]
+        end = V0 + K + 1 + max(K - 1, 0)
+        if not self.bm.can_reserve(s["table"], end):
+            self._preempt(sid)
+            return
+        self.bm.reserve(s["table"], end)
+        a = data.draw(st.integers(0, K))
+        s["toks"] += data.draw(st.lists(st.integers(7, 8), min_size=a + 1, max_size=a + 1))
+        V = V0 + a + 1
+        lo = max(min(V - K, V0), 0) if self.policy.min_chunk > 1 else V0      # Vanilla re-runs its window
+        for q in range(lo, V0):
+            self._write(s, q, None, self._truth(s["toks"], q)[1])
+        for q in range(V0, V0 + K + 1):
+            self._write(s, q, *(self._truth(s["toks"], q) if q < V else (GARBAGE, GARBAGE)))
+        for q in range(V, V + max(K - 1, 0)):
+            self._write(s, q, None, GARBAGE)
+        s["cached"] = V
+        self.bm.rewind(s["table"], V)
+        self._settle(s, final=False)
+
+    def _preempt(self, sid: int) -> None:
+        s = self.running.pop(sid)
+        self._settle(s, final=True)
+        self.bm.free(s["table"])
+        self.waiting.insert(0, s["toks"][:-1])              # recompute over prompt + output (the last is redrawn)
+
+    @precondition(lambda self: bool(getattr(self, "running", None)))
+    @rule(data=st.data(), abort=st.booleans())
+    def finish(self, data, abort):
+        s = self.running.pop(data.draw(st.sampled_from(sorted(self.running))))
+        if not abort:
+            self._settle(s, final=True)
+        self.bm.free(s["table"])
+
+    @precondition(lambda self: bool(getattr(self, "running", None)))
+    @rule(data=st.data())
+    def preempt(self, data):
+        self._preempt(data.draw(st.sampled_from(sorted(self.running))))
+
+    @rule(n=st.integers(1, 16))
+    def pressure(self, n):
+        """Another user of the pool takes up to n blocks (evicting cached ones) and gives them back."""
+        t: list[int] = []
+        n = min(n, self.bm.num_free_blocks) * self.bm.tokens_per_block if hasattr(self, "bm") else 0
+        if n:
+            self.bm.reserve(t, n)
+            for b in t:
+                for o in range(self.bm.tokens_per_block):
+                    self.shadow[(b, o)] = (GARBAGE, GARBAGE)
+            self.bm.free(t)
+
+    # ---- invariants ----
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "bm"):
+            return
+        bm, bs = self.bm, self.bm.tokens_per_block
+        held: dict[int, int] = {}
+        for s in self.running.values():
+            for b in s["table"]:
+                held[b] = held.get(b, 0) + 1
+        free, lru = list(bm.free_blocks), list(bm.lru)
+        assert sorted(free + lru + list(held)) == list(range(bm.num_blocks)), "a block leaked or is in two places"
+        assert all(bm.ref_counts[b] == held.get(b, 0) for b in range(bm.num_blocks))
+        assert set(lru) == {b for b in bm.key_of if b not in held}
+        assert bm.num_free_blocks == len(free) + len(lru)
+        for s in self.running.values():
+            for q in range(s["cached"]):
+                got = self.shadow.get((s["table"][q // bs], q % bs))
+                assert got == self._truth(s["toks"], q), f"position {q} holds {got}"
+        for b, (digest, nxt) in bm.key_of.items():
+            main, mtp = self.shadow[(b, bs - 1)]
+            assert extend_digests([], list(main), bs)[-1] == digest, f"block {b} holds other tokens"
+            assert (nxt is None) == (not self.policy.mtp)
+            if self.policy.mtp:
+                assert mtp == main + (nxt,), f"block {b}'s last MTP entry is for another next token"
+            for o in range(bs):
+                assert self.shadow[(b, o)][0] == main[:len(main) - bs + 1 + o]
+                if self.policy.mtp and o < bs - 1:
+                    assert self.shadow[(b, o)][1] == main[:len(main) - bs + 2 + o]
+
+    def teardown(self):
+        if hasattr(self, "bm"):
+            for s in self.running.values():
+                self.bm.free(s["table"])
+            assert self.bm.num_free_blocks == self.bm.num_blocks
+            assert all(c == 0 for c in self.bm.ref_counts)
+
+
+PrefixLifecycle.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+TestPrefixLifecycle = PrefixLifecycle.TestCase

@@ -32,7 +32,7 @@ from mtp_core.engine.scheduler import PreemptionNeeded, ScheduledRow, Scheduler
 from mtp_core.engine.sequence import Sequence
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, plan_num_blocks
-from mtp_core.kv_cache.prefix_cache import ReusePolicy
+from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative.drafter import DraftInput, Drafter, EagleDrafter, VanillaDrafter
@@ -294,6 +294,11 @@ class Engine:
         """Prefix cache copy-on-write: block src's slots, every layer, into block dst."""
         for c in self.caches:
             c[dst].copy_(c[src])
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every unreferenced cached block and zero the hit statistics (e.g. after a warm-up)."""
+        self.blocks.clear_cache()
+        self.blocks.stats = PrefixCacheStats()
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)

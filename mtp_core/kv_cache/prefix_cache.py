@@ -78,6 +78,11 @@ class PrefixCacheStats:
             self.reused_tokens += hit.start
             self.hit_blocks += len(hit.blocks)
 
+    def summary_line(self) -> str:
+        return (f"prefix cache: {self.reused_tokens} of {self.prompt_tokens} prompt tokens reused "
+                f"({100 * self.token_hit_rate:.1f}%), {self.hit_blocks} of {self.queried_blocks} full blocks hit "
+                f"({100 * self.block_hit_rate:.1f}%)")
+
     def as_dict(self) -> dict:
         return {"lookups": self.lookups, "prompt_tokens": self.prompt_tokens, "reused_tokens": self.reused_tokens,
                 "token_hit_rate": self.token_hit_rate, "queried_blocks": self.queried_blocks,
