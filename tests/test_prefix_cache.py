@@ -470,3 +470,65 @@ class PrefixLifecycle(RuleBasedStateMachine):
 
 PrefixLifecycle.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
 TestPrefixLifecycle = PrefixLifecycle.TestCase
+
+
+# ---- configuration, statistics, datasets ---------------------------------------------------------
+
+def test_flag_and_yaml_key_turn_reuse_off(tmp_path, tiny1_model):
+    from cli.bench import quickstart_defaults
+    from cli.common import build_llm_config
+
+    p = quickstart_defaults()
+    p["model_dir"] = "x"
+    assert build_llm_config(p, {}).kv_cache_config.enable_block_reuse is True          # default on
+    assert build_llm_config({**p, "disable_kv_cache_reuse": True}, {}).kv_cache_config.enable_block_reuse is False
+    y = tmp_path / "o.yml"
+    y.write_text("kv_cache_config:\n  enable_block_reuse: false\n")
+    notes: list[str] = []
+    cfg = build_llm_config({**p, "extra_llm_api_options": y}, {}, notes.append)
+    assert cfg.kv_cache_config.enable_block_reuse is False and not any("no effect" in n for n in notes)
+    y.write_text("kv_cache_config:\n  enable_block_reuse: true\n")
+    cfg = build_llm_config({**p, "extra_llm_api_options": y, "disable_kv_cache_reuse": True},
+                           {"disable_kv_cache_reuse": True}, notes.append)
+    assert cfg.kv_cache_config.enable_block_reuse is True
+    assert any("overrides --disable_kv_cache_reuse" in n for n in notes)
+    # the engine honours it: nothing is registered, nothing reused
+    from mtp_core.config import KvCacheConfig
+    from conftest import llm_config
+    c = llm_config(nextn=1, mode="eagle", tokens_per_block=B)
+    c.kv_cache_config = KvCacheConfig(max_tokens=4096, tokens_per_block=B, enable_block_reuse=False)
+    eng = Engine(tiny1_model, c, [2], None)
+    drive(eng, tiny1_model, "eagle", 1, {0: [(BASE[:13], 5)], 1: [(BASE[:13], 5)]}, check_every_step=False)
+    assert eng.blocks.num_cached_blocks == 0 and eng.blocks.stats.reused_tokens == 0
+
+
+def test_summary_line_and_reset(tiny1_model):
+    eng = make_engine(tiny1_model, nextn=1, mode="eagle", tokens_per_block=B, max_batch_size=1)
+    drive(eng, tiny1_model, "eagle", 1, {0: [(BASE[:13], 5)], 1: [(BASE[:13] + [71], 5)]}, check_every_step=False)
+    st = eng.blocks.stats
+    assert (st.prompt_tokens, st.reused_tokens, st.queried_blocks, st.hit_blocks) == (27, 12, 6, 3)
+    assert st.summary_line() == "prefix cache: 12 of 27 prompt tokens reused (44.4%), 3 of 6 full blocks hit (50.0%)"
+    assert st.as_dict()["token_hit_rate"] == pytest.approx(12 / 27)
+    eng.reset_prefix_cache()
+    assert eng.blocks.num_cached_blocks == 0 and eng.blocks.stats.lookups == 0
+    assert sorted(eng.blocks.free_blocks) == list(range(eng.blocks.num_blocks))
+
+
+def test_shared_prefix_dataset(tiny1_dir):
+    from mtp_core.bench.dataset import BenchRequest, shared_prefix_ids, synthetic_requests, with_shared_prefix
+    from mtp_core.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny1_dir)
+    allowed = list(range(10, 200))
+    reqs = with_shared_prefix(synthetic_requests(4, 5, 3, 200, frozenset(range(10)), seed=1),
+                              shared_prefix_ids(7, tok, allowed, seed=0), tok)
+    assert all(len(r.input_ids) == 12 and r.input_ids[:7] == reqs[0].input_ids[:7] for r in reqs)
+    assert len({tuple(r.input_ids[7:]) for r in reqs}) == 4 and reqs[0].extra["shared_prefix"] == 7
+    prefix = shared_prefix_ids(20, tok)
+    assert len(prefix) == 20 and (tok.bos_token_id is None or prefix[0] == tok.bos_token_id)
+    text = with_shared_prefix([BenchRequest("a", 3, prompt="hello there")], prefix, tok)[0]
+    own = tok.encode("hello there", add_special_tokens=True)
+    assert text.input_ids[:20] == prefix and text.input_ids[20:] == [t for t in own if t != tok.bos_token_id][
+        -(len(text.input_ids) - 20):]
+    with pytest.raises(ValueError, match="shared_prefix"):
+        shared_prefix_ids(0, tok)

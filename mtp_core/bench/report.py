@@ -190,7 +190,8 @@ def format_report(r: dict) -> str:
         pc = r["prefix_cache"]
         out.append(_section("PREFIX CACHE (KV block reuse)", [
             ("Enabled", pc["enabled"]), ("Prompt tokens reused", f"{pc['reused_tokens']} of {pc['prompt_tokens']}"),
-            ("Token hit rate", pc["token_hit_rate"]), ("Full blocks hit", f"{pc['hit_blocks']} of {pc['queried_blocks']}"),
+            ("Token hit rate", pc["token_hit_rate"]),
+            ("Full blocks hit", f"{pc['hit_blocks']} of {pc['queried_blocks']}"),
             ("Block hit rate", pc["block_hit_rate"]), ("Blocks copied (copy-on-write)", pc["copied_blocks"]),
             ("Cached blocks evicted", pc["evicted_blocks"])]))
     if r.get("roofline"):
