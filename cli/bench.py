@@ -110,6 +110,8 @@ def bench_command(
     relaxed_delta: float = typer.Option(0.0, "--relaxed_delta", help="Relaxed acceptance: probability margin."),
     dtype: str = DTYPE,
     kv_cache_fraction: float = KV_FRACTION,
+    disable_kv_cache_reuse: bool = typer.Option(False, "--disable_kv_cache_reuse",
+                                                help="Turn prefix caching (KV block reuse) off."),
     extra_llm_api_options: Optional[Path] = EXTRA_OPTIONS,
     num_threads: Optional[int] = NUM_THREADS,
     roofline: bool = typer.Option(False, "--roofline", help="Measure memory bandwidth; print the floor step time."),
@@ -145,6 +147,7 @@ def bench_command(
         if warmup:
             idx = [i % len(prompts) for i in range(warmup)]
             run_requests(llm.engine, [prompts[i] for i in idx], [outs[i] for i in idx], concurrency, ignore_eos)
+        llm.engine.reset_prefix_cache()          # the measured run starts with an empty prefix cache
         with request_progress(len(prompts), "bench") as advance:
             records = run_requests(llm.engine, prompts, outs, concurrency, ignore_eos,
                                    task_ids=[r.task_id for r in requests], on_finish=advance,
@@ -152,6 +155,8 @@ def bench_command(
         ds = dataset_info(str(dataset), in_file, prompts, outs, [r.extra.get("task") for r in requests])
         report = build_report(records, cfg, llm.model, concurrency, streaming, ds,
                               {"warmup": warmup, "ignore_eos": ignore_eos})
+        report["prefix_cache"] = {"enabled": cfg.kv_cache_config.enable_block_reuse,
+                                  **llm.engine.blocks.stats.as_dict()}
         if roofline:
             from mtp_core.bench.roofline import measure_bandwidth, roofline as roof
 

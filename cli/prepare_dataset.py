@@ -2,8 +2,9 @@
 
 Default: the shipped model's held-out task prompts (chat-rendered, BOS included), all families round-robin.
 `--task_set general` takes standard-library text instead; `--synthetic --input_tokens N` writes random
-token ids (the vocabulary comes from --model_dir). With a tokenizer at hand the input lengths are
-counted and summarised on stderr.
+token ids (the vocabulary comes from --model_dir). `--shared_prefix N` puts the same N tokens in front of
+every request (written as input_ids; text, or random ids with --synthetic), for prefix-caching benchmarks.
+With a tokenizer at hand the input lengths are counted and summarised on stderr.
 """
 from __future__ import annotations
 
@@ -27,12 +28,15 @@ def prepare_dataset_command(
     synthetic: bool = typer.Option(False, "--synthetic", help="Random token ids instead of text prompts."),
     input_tokens: Optional[int] = typer.Option(None, "--input_tokens", help="Input length of --synthetic requests."),
     seed: int = typer.Option(1234, "--seed", help="Seed of the held-out set / text sample / random ids."),
+    shared_prefix: int = typer.Option(0, "--shared_prefix", help="The same N tokens before every request "
+                                      "(prefix-caching benchmarks; 0 = none)."),
     log_level: str = typer.Option("warning", "--log_level", help="debug | info | warning | error."),
 ) -> None:
     setup_logging(log_level)
 
     def run() -> None:
-        from mtp_core.bench.dataset import encode_request, synthetic_requests, task_requests, write_dataset
+        from mtp_core.bench.dataset import (encode_request, shared_prefix_ids, synthetic_requests, task_requests,
+                                            with_shared_prefix, write_dataset)
         from mtp_core.tokenizer import Tokenizer
 
         mdir = model_dir if model_dir is not None else DEFAULT_MODEL_DIR
@@ -53,10 +57,18 @@ def prepare_dataset_command(
                                 if t is not None)
             requests = synthetic_requests(num_requests, input_tokens, output_tokens, int(cfg["vocab_size"]), special,
                                           seed)
+            allowed = [t for t in range(int(cfg["vocab_size"])) if t not in special]
         else:
             if input_tokens is not None:
                 raise ValueError("--input_tokens applies to --synthetic only; text prompts have their own length")
             requests = task_requests(task_set, num_requests, output_tokens, seed)
+            allowed = None
+        if shared_prefix < 0:
+            raise ValueError(f"--shared_prefix must be >= 0, got {shared_prefix}")
+        if shared_prefix:
+            if tok is None:
+                raise ValueError("--shared_prefix needs a tokenizer (--model_dir); the shipped model is not installed")
+            requests = with_shared_prefix(requests, shared_prefix_ids(shared_prefix, tok, allowed, seed), tok)
         if str(output) == "-":
             for r in requests:
                 sys.stdout.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")

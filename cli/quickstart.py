@@ -129,7 +129,7 @@ def quickstart_command(
     kv_cache_dtype: KvCacheDtype = typer.Option(KvCacheDtype.auto, "--kv_cache_dtype", case_sensitive=False,
                                                 help="auto = the model dtype; fp8 needs an NVIDIA GPU."),
     disable_kv_cache_reuse: bool = typer.Option(False, "--disable_kv_cache_reuse",
-                                                help="Accepted; KV blocks are never reused across requests here."),
+                                                help="Turn prefix caching (KV block reuse across requests) off."),
     use_cuda_graph: bool = typer.Option(False, "--use_cuda_graph", help="CUDA graphs for decode steps (GPU; "
                                                                         "eager with a warning on CPU)."),
     cuda_graph_batch_sizes: Optional[list[int]] = typer.Option(None, "--cuda_graph_batch_sizes",
@@ -207,3 +207,5 @@ def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
     if cfg.speculative_config is not None:
         for line in llm.engine.stats.summary_lines():
             print(line, file=sys.stderr)
+    if cfg.kv_cache_config.enable_block_reuse:
+        print(llm.engine.blocks.stats.summary_line(), file=sys.stderr)

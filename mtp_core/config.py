@@ -253,6 +253,7 @@ class KvCacheConfig:
     tokens_per_block: int = 64
     max_tokens: Optional[int] = None
     dtype: str = "auto"
+    enable_block_reuse: bool = True       # prefix caching: full KV blocks outlive their request
 
     def validate(self) -> None:
         if not (0.0 < self.free_gpu_memory_fraction <= 1.0):

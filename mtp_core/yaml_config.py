@@ -76,7 +76,7 @@ SCHEMA: dict[str, Leaf | Section] = {
         "tokens_per_block": _int(1, "tokens_per_block"),
         "max_tokens": _int(1, nullable=True),
         "dtype": _choice(("auto", "fp8", "float32", "bfloat16", "float16"), str.lower, "kv_cache_dtype"),
-        "enable_block_reuse": _bool("kv_cache_enable_block_reuse"),
+        "enable_block_reuse": _bool("disable_kv_cache_reuse"),
     }),
     "moe_config": Section({
         "backend": _choice(_MOE_BACKENDS, lambda s: "auto" if s.lower() == "auto" else s.upper(),
@@ -106,8 +106,7 @@ SCHEMA: dict[str, Leaf | Section] = {
 
 _ALIASES = {("speculative_config", "max_draft_len"): ("speculative_config", "num_nextn_predict_layers")}
 _OPTIONAL = {"cuda_graph_config": CudaGraphConfig, "speculative_config": SpeculativeConfig}
-_NO_EFFECT = {("enable_attention_dp",): "one device; attention data parallelism is not implemented",
-              ("kv_cache_config", "enable_block_reuse"): "KV blocks are not reused across requests"}
+_NO_EFFECT = {("enable_attention_dp",): "one device; attention data parallelism is not implemented"}
 
 # Pre-1.0 key -> (new path, how to write it now, value transform or None for "same value").
 _OLD: dict[str, tuple[tuple[str, ...], str, Callable[[Any], Any] | None]] = {

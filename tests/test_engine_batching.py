@@ -30,7 +30,8 @@ def expected(model, params=PARAMS) -> list[list[int]]:
 
 def assert_pool_clean(eng: Engine) -> None:
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
-    assert sorted(eng.blocks.free_blocks) == list(range(eng.blocks.num_blocks))
+    # free or cached-and-unreferenced (reclaimable): every block exactly once
+    assert sorted([*eng.blocks.free_blocks, *eng.blocks.lru]) == list(range(eng.blocks.num_blocks))
     assert all(c == 0 for c in eng.blocks.ref_counts)
 
 

@@ -134,3 +134,36 @@ def synthetic_requests(num_requests: int, input_tokens: int, output_tokens: int,
     rng = random.Random(f"bench-synthetic-{seed}")
     return [BenchRequest(i, output_tokens, input_ids=[rng.choice(allowed) for _ in range(input_tokens)])
             for i in range(num_requests)]
+
+
+def shared_prefix_ids(num_tokens: int, tokenizer: Any, allowed: Optional[list[int]] = None, seed: int = 0) -> list[int]:
+    """A prefix of exactly num_tokens ids: the BOS (if the tokenizer has one), then standard-library text
+    (or, with `allowed`, random ids drawn from it, as --synthetic)."""
+    if num_tokens < 1:
+        raise ValueError(f"--shared_prefix must be >= 1, got {num_tokens}")
+    bos = getattr(tokenizer, "bos_token_id", None)
+    head = [bos] if bos is not None and allowed is None else []
+    need = num_tokens - len(head)
+    if allowed is not None:
+        rng = random.Random(f"bench-shared-prefix-{seed}")
+        return [rng.choice(allowed) for _ in range(need)]
+    body: list[int] = []
+    for chunk in general_text.load_chunks():
+        body += tokenizer.encode(chunk + "\n\n", add_special_tokens=False)
+        if len(body) >= need:
+            return head + body[:need]
+    raise ValueError(f"--shared_prefix {num_tokens} is longer than the text available for it; lower it")
+
+
+def with_shared_prefix(requests: list[BenchRequest], prefix: list[int], tokenizer: Any) -> list[BenchRequest]:
+    """Every request becomes input_ids = prefix + its own tokens (a leading BOS of its own is dropped when
+    the prefix starts with it), so all share exactly len(prefix) tokens."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    out = []
+    for r in requests:
+        ids = encode_request(tokenizer, r) if r.input_ids is None else list(r.input_ids)
+        if prefix and bos is not None and prefix[0] == bos and ids[:1] == [bos]:
+            ids = ids[1:]
+        out.append(BenchRequest(r.task_id, r.output_tokens, input_ids=prefix + ids,
+                                extra={**r.extra, "shared_prefix": len(prefix)}))
+    return out

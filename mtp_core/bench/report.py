@@ -186,6 +186,14 @@ def format_report(r: dict) -> str:
         ("Drafts proposed", d["num_draft_tokens"]), ("Drafts accepted", d["num_accepted_draft_tokens"]),
         ("Draft acceptance rate", d["draft_acceptance_rate"]), ("Acceptance length (AL)", d["acceptance_length"]),
         ("Acceptance per draft position", f"[{per_pos}]"), *_breakdown("AL", d["acceptance_length_percentiles"])]))
+    if r.get("prefix_cache"):
+        pc = r["prefix_cache"]
+        out.append(_section("PREFIX CACHE (KV block reuse)", [
+            ("Enabled", pc["enabled"]), ("Prompt tokens reused", f"{pc['reused_tokens']} of {pc['prompt_tokens']}"),
+            ("Token hit rate", pc["token_hit_rate"]),
+            ("Full blocks hit", f"{pc['hit_blocks']} of {pc['queried_blocks']}"),
+            ("Block hit rate", pc["block_hit_rate"]), ("Blocks copied (copy-on-write)", pc["copied_blocks"]),
+            ("Cached blocks evicted", pc["evicted_blocks"])]))
     if r.get("roofline"):
         rf = r["roofline"]
         out.append(_section("ROOFLINE (batch 1)", [

@@ -77,6 +77,7 @@ def run_setting(model: Any, base: LLMConfig, eos: list[int], think_ids: Optional
     engine = Engine(model, setting_config(base, s), eos, think_ids)
     if warmup:
         run_requests(engine, prompts[:warmup], output_tokens[:warmup], concurrency, ignore_eos)
+        engine.reset_prefix_cache()        # measured requests must not hit the warm-up's cached prompts
     return run_requests(engine, prompts, output_tokens, concurrency, ignore_eos, on_finish=on_finish)
 
 

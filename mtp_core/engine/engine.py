@@ -32,6 +32,7 @@ from mtp_core.engine.scheduler import PreemptionNeeded, ScheduledRow, Scheduler
 from mtp_core.engine.sequence import Sequence
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, plan_num_blocks
+from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative.drafter import DraftInput, Drafter, EagleDrafter, VanillaDrafter
@@ -68,11 +69,14 @@ class Engine:
                              "kv_cache_config.max_tokens or --kv_cache_fraction")
         self.caches = allocate_caches(model.config, num_layers, num_blocks, kv.tokens_per_block, dtype, device)
         self.pool_tokens = num_blocks * kv.tokens_per_block
-        self.blocks = BlockManager(num_blocks, kv.tokens_per_block)
+        self.blocks = BlockManager(num_blocks, kv.tokens_per_block, enable_reuse=kv.enable_block_reuse)
+        self.blocks.copy_block = self._copy_block
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, self.K + 1), self.K,
                                    cfg.enable_chunked_prefill)
         self.runner = ModelRunner(model, self.caches, kv.tokens_per_block, device)
         self.drafter = drafter if drafter is not None else self._make_drafter()
+        mode = spec.resolved_mode(model.num_mtp_modules) if self.K and model.num_mtp_modules else None
+        self.scheduler.reuse = ReusePolicy.for_drafting(mode, self.K)
         self.stats = SpecStats()
         self.iter_log = iter_log
         self.num_steps = 0
@@ -184,7 +188,7 @@ class Engine:
             for r in rows:
                 if not r.seq.is_finished:
                     r.seq.finish_reason = "abort"
-                    self.scheduler.finish(r.seq)
+                    self.scheduler.finish(r.seq, cache=False)
             raise
         return self._finish_step(rows, result, t0)
 
@@ -284,6 +288,18 @@ class Engine:
             inp.seq.drafts = d
             if rewind and not inp.seq.is_finished and inp.seq in self.scheduler.running:
                 self.blocks.rewind(inp.seq.block_table, inp.seq.num_cached)
+            if not inp.seq.is_finished:
+                self.scheduler.settle(inp.seq)          # prefix cache: register the blocks now final
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Prefix cache copy-on-write: block src's slots, every layer, into block dst."""
+        for c in self.caches:
+            c[dst].copy_(c[src])
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every unreferenced cached block and zero the hit statistics (e.g. after a warm-up)."""
+        self.blocks.clear_cache()
+        self.blocks.stats = PrefixCacheStats()
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)

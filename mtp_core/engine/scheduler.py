@@ -6,6 +6,11 @@ decode row costs K+1). Before a row runs, its block table is grown to cover ever
 write: the target's K+1 positions plus the MTP chain's K-1 overshoot. When the pool runs dry the most
 recently admitted sequence is preempted: its blocks are freed and it is later prefilled again over
 prompt + output so far (recompute), which leaves the output unchanged.
+
+With block reuse on, an admission first maps the longest cached prefix (BlockManager.lookup: shared
+blocks, private copies where the request will write) and its prefill starts after it; a running request's
+full, final blocks are registered after every step (`settle`) and on finish and preemption, so a
+preempted request finds its own blocks again when it is re-admitted.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 
 from mtp_core.engine.sequence import Sequence, Status
 from mtp_core.kv_cache.block_manager import BlockManager
+from mtp_core.kv_cache.prefix_cache import PrefixHit, ReusePolicy, extend_digests
 
 log = logging.getLogger("mtp.scheduler")
 
@@ -37,8 +43,9 @@ class ScheduledRow:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int,
-                 enable_chunked_prefill: bool) -> None:
+                 enable_chunked_prefill: bool, reuse: ReusePolicy = ReusePolicy()) -> None:
         self.blocks = blocks
+        self.reuse = reuse
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.K = num_draft_tokens
@@ -86,18 +93,19 @@ class Scheduler:
         deferred: list[Sequence] = []
         for seq in candidates:
             admitted = seq in self.running
-            remaining = (seq.prefill_target - seq.num_prefilled) if admitted else len(seq.all_ids)
-            n = min(remaining, budget) if self.chunked else remaining
-            final = (seq.num_prefilled if admitted else 0) + n == (seq.prefill_target if admitted else remaining)
-            end = (seq.num_prefilled if admitted else 0) + n + (self.overshoot() if final else 0)
-            # without chunking a prefill longer than the budget still runs when it is alone in the step
-            over_budget = n > budget and not (not self.chunked and not rows)
-            if n <= 0 or over_budget or not self.blocks.can_reserve(seq.block_table, end):
+            plan = self._plan_prefill(seq, admitted, budget, alone=not rows)
+            if plan is None:
                 if not admitted:
                     deferred.append(seq)
                 continue
+            attempt, a, n, end = plan
             if not admitted:
-                seq.start_prefill()
+                self.blocks.stats.record(len(seq.all_ids), len(seq.all_ids) // self.blocks.tokens_per_block, attempt)
+                seq.start_prefill(a)
+                seq.num_settled_blocks = 0
+                if attempt is not None:
+                    self.blocks.map_prefix(seq.block_table, attempt)
+                    seq.num_settled_blocks = attempt.copy_from
                 seq.status = Status.RUNNING
                 self.running.append(seq)
             self.blocks.reserve(seq.block_table, end)
@@ -106,6 +114,31 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         return rows
+
+    def _plan_prefill(self, seq: Sequence, admitted: bool, budget: int, alone: bool
+                      ) -> tuple[PrefixHit | None, int, int, int] | None:
+        """(prefix hit, first position, chunk length, slots to reserve) of the sequence's next prefill chunk,
+        or None when it cannot run in this step. A prefix hit that does not fit the pool (its copies, the
+        hits taken off the LRU) is dropped and the request admitted as without reuse; one that does not
+        fit this step's token budget waits for a later step."""
+        hit = None if admitted else self._lookup(seq)
+        while True:
+            a = seq.num_prefilled if admitted else (hit.start if hit else 0)
+            target = seq.prefill_target if admitted else len(seq.all_ids)
+            remaining = target - a
+            n = min(remaining, budget) if self.chunked else remaining
+            if hit is not None and n < min(remaining, self.reuse.min_chunk):
+                return None
+            end = a + n + (self.overshoot() if a + n == target else 0)
+            # without chunking a prefill longer than the budget still runs when it is alone in the step
+            if n <= 0 or (n > budget and not (not self.chunked and alone)):
+                return None
+            if hit is not None and not self.blocks.can_map(hit, end):
+                hit = None
+                continue
+            if hit is None and not self.blocks.can_reserve(seq.block_table, end):
+                return None
+            return hit, a, n, end
 
     def _reserve_or_preempt(self, seq: Sequence, end: int) -> bool:
         while not self.blocks.can_reserve(seq.block_table, end):
@@ -125,6 +158,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.settle(seq, final=True)
         self.blocks.free(seq.block_table)
         seq.status = Status.WAITING
         seq.num_cached = 0
@@ -135,9 +169,12 @@ class Scheduler:
                  self.blocks.num_free_blocks)
 
     # ---- after the step ------------------------------------------------------------------
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence, cache: bool = True) -> None:
+        """cache=False: the step that was running failed, its caches may be half-written: register nothing."""
         if seq in self.running:
             self.running.remove(seq)
+            if cache:
+                self.settle(seq, final=True)
         self.blocks.free(seq.block_table)
         seq.status = Status.FINISHED
 
@@ -148,3 +185,23 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.finish_reason = "abort"
         self.finish(seq)
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def _lookup(self, seq: Sequence) -> PrefixHit | None:
+        if not self.blocks.enable_reuse:
+            return None
+        extend_digests(seq.block_digests, seq.all_ids, self.blocks.tokens_per_block)
+        return self.blocks.lookup(seq.all_ids, seq.block_digests, self.reuse.mtp, self.reuse.min_chunk)
+
+    def settle(self, seq: Sequence, final: bool = False) -> None:
+        """Registers the sequence's full blocks whose every layer is final: below num_cached (every layer
+        holds valid KV there between steps), less the write lag while the sequence still runs."""
+        if not self.blocks.enable_reuse or seq.status != Status.RUNNING:
+            return
+        valid = seq.num_cached - (0 if final else self.reuse.write_lag)
+        if valid < self.blocks.tokens_per_block * (seq.num_settled_blocks + 1):
+            return
+        ids = seq.all_ids
+        extend_digests(seq.block_digests, ids, self.blocks.tokens_per_block)
+        seq.num_settled_blocks = self.blocks.register(seq.block_table, ids, seq.block_digests, valid,
+                                                      self.reuse.mtp, seq.num_settled_blocks)

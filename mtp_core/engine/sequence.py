@@ -40,6 +40,8 @@ class Sequence:
     first_token_time: Optional[float] = None
     arrival_time: float = 0.0
     finish_time: Optional[float] = None
+    block_digests: list[bytes] = field(default_factory=list)   # prefix cache: digest per full block of all_ids
+    num_settled_blocks: int = 0  # prefix cache: leading table blocks already registered (or skipped)
 
     @property
     def all_ids(self) -> list[int]:
@@ -51,11 +53,12 @@ class Sequence:
     def is_prefilling(self) -> bool:
         return self.num_prefilled < self.prefill_target
 
-    def start_prefill(self) -> None:
-        """(Re)start prefill over every known token; used on admission and after preemption."""
+    def start_prefill(self, start: int = 0) -> None:
+        """(Re)start prefill over every known token; used on admission and after preemption. start > 0:
+        positions before it are mapped from the prefix cache, the prefill computes the rest."""
         self.prefill_target = len(self.prompt_ids) + len(self.output_ids)
-        self.num_prefilled = 0
-        self.num_cached = 0
+        self.num_prefilled = start
+        self.num_cached = start
         self.drafts = []
         self.window_tokens = []
         self.window_hidden = None
