@@ -89,6 +89,7 @@ CONFIGS = {
     "n_group4": dict(n_group=4),
     "odd_hidden": dict(hidden_size=72, n_group=2),          # 72: every dot product has a masked tail
     "no_interleave": dict(rope_interleave=False),
+    "yarn": dict(yarn=True, n_group=2),
 }
 ROWS = {
     "one": [(9, 1)],
