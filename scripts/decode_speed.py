@@ -1,4 +1,4 @@
-"""Decode speed of the checkout this runs in: the shipped tiny-r1, batch 1, 1 torch thread, float32,
+"""Decode speed of the checkout this runs in: the shipped tiny-r1, batch 1, 1 torch thread (or argv[1]), float32,
 3 held-out prompts x 128 tokens (EOS ignored), best of 3; nextn=0, Eagle K=3, Vanilla K=3.
 
 A before/after comparison runs it in two checkouts back to back, alternating, e.g.
@@ -8,6 +8,7 @@ A before/after comparison runs it in two checkouts back to back, alternating, e.
 (the model and prompts always come from the checkout holding this script).
 """
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from mtp_core.data.dataset import load_eval_set
 from mtp_core.llm import LLM
 from mtp_core.sampling import SamplingParams
 
-torch.set_num_threads(1)
+torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
 ASSET = Path(__file__).resolve().parent.parent / "mtp_core" / "assets" / "tiny-r1"
 prompts = [load_eval_set(ASSET / f"eval/eval_{f}.jsonl")[0]["prompt"] for f in ("add", "sort", "count")]
 result = {}

@@ -12,12 +12,14 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 ds="$out/ds.jsonl"
 (cd "$here" && python3 -m cli prepare-dataset --output "$ds" --num_requests 32 --output_tokens 128 >/dev/null)
-echo "== decode speed, batch 1, 1 thread (scripts/decode_speed.py), alternating"
+echo "== decode speed, batch 1, 1 and 2 threads (scripts/decode_speed.py), alternating"
 for pass in 1 2; do
-  if [ -n "$before" ]; then
-    echo "before pass $pass: $(cd "$before" && PYTHONPATH=. python3 "$here/scripts/decode_speed.py")"
-  fi
-  echo "after  pass $pass: $(cd "$here" && PYTHONPATH=. python3 scripts/decode_speed.py)"
+  for T in 1 2; do
+    if [ -n "$before" ]; then
+      echo "before threads $T pass $pass: $(cd "$before" && PYTHONPATH=. python3 "$here/scripts/decode_speed.py" $T)"
+    fi
+    echo "after  threads $T pass $pass: $(cd "$here" && PYTHONPATH=. python3 scripts/decode_speed.py $T)"
+  done
 done | tee "$out/decode_speed.txt"
 echo "== batch 16 total output tok/s (mtp bench, 32 requests x 128 tokens, 1 thread), alternating"
 for pass in 1 2; do
