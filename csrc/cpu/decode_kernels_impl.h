@@ -54,6 +54,20 @@ inline float vhsum(VF a) {
   return _mm_cvtss_f32(_mm_add_ss(d, _mm_shuffle_ps(d, d, 1)));
 }
 inline float vhmax(VF a) { return _mm512_reduce_max_ps(a.v); }
+// Four sums at once (a fixed tree per sum): 128-bit quarters pairwise, then within each quarter.
+inline void vhsum4(VF a, VF b, VF c, VF d, float* out) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a.v, b.v, 0x44), _mm512_shuffle_f32x4(a.v, b.v, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c.v, d.v, 0x44), _mm512_shuffle_f32x4(c.v, d.v, 0xEE));
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
+  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
+  alignas(64) float t[16];
+  _mm512_store_ps(t, x);
+  out[0] = t[0];
+  out[1] = t[4];
+  out[2] = t[8];
+  out[3] = t[12];
+}
 // exp(x) for x <= 0 (scores minus their max, -g for silu): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2],
 // p a degree-6 Taylor polynomial (relative error < 2e-7); x below -87 gives 0 (flushed, as expf underflows).
 inline VF vexp(VF x) {
@@ -158,6 +172,12 @@ inline VF vexp(VF x) {
   VF r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = x.v[i] < -87.0f ? 0.f : std::exp(x.v[i]);
   return r;
+}
+inline void vhsum4(VF a, VF b, VF c, VF d, float* out) {
+  out[0] = vhsum(a);
+  out[1] = vhsum(b);
+  out[2] = vhsum(c);
+  out[3] = vhsum(d);
 }
 #endif
 
@@ -315,20 +335,49 @@ inline void attn_out_tile(const float* p, int64_t visible, const CT* cache, cons
 }
 
 // s[hh, j] = q_hh . k_j * scale for NH heads (queries with row stride D) and keys j < visible, in order.
-template <typename CT, int NH>
+// DC > 0: D is DC chunks of 16 (the last possibly partial) and the queries stay in registers; DC = 0: any D.
+template <typename CT, int NH, int DC>
 inline void attn_scores_tile(const float* q, int64_t D, const CT* cache, const int32_t* table, int64_t page,
                              int64_t visible, float scale, float* s) {
+  constexpr int kChunks = DC > 0 ? DC : 1;
+  VF qv[NH][kChunks];
+  if (DC > 0) {
+    for (int hh = 0; hh < NH; ++hh)
+      for (int c = 0; c < kChunks; ++c) qv[hh][c] = wload(q + hh * D + 16 * c, D - 16 * c);
+  }
   int64_t blk = 0, off = 0;
   for (int64_t j = 0; j < visible; ++j, ++off) {
     if (off == page) { off = 0; ++blk; }
     const CT* key = cache + (static_cast<int64_t>(table[blk]) * page + off) * D;
-    VF acc[NH];
-    for (int hh = 0; hh < NH; ++hh) acc[hh] = vzero();
-    for (int64_t d = 0; d < D; d += kLanes) {
-      const VF k = wload(key + d, D - d);
-      for (int hh = 0; hh < NH; ++hh) acc[hh] = vfma(wload(q + hh * D + d, D - d), k, acc[hh]);
+    VF acc[4] = {vzero(), vzero(), vzero(), vzero()};
+    if (DC > 0) {
+      for (int c = 0; c < kChunks; ++c) {
+        const VF k = wload(key + 16 * c, D - 16 * c);
+        for (int hh = 0; hh < NH; ++hh) acc[hh] = vfma(qv[hh][c], k, acc[hh]);
+      }
+    } else {
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const VF k = wload(key + d, D - d);
+        for (int hh = 0; hh < NH; ++hh) acc[hh] = vfma(wload(q + hh * D + d, D - d), k, acc[hh]);
+      }
     }
-    for (int hh = 0; hh < NH; ++hh) s[hh * visible + j] = vhsum(acc[hh]) * scale;
+    float r[4];
+    vhsum4(acc[0], acc[1], acc[2], acc[3], r);
+    for (int hh = 0; hh < NH; ++hh) s[hh * visible + j] = r[hh] * scale;
+  }
+}
+
+template <typename CT, int NH>
+inline void attn_scores(const float* q, int64_t D, const CT* cache, const int32_t* table, int64_t page,
+                        int64_t visible, float scale, float* s) {
+  switch ((D + kLanes - 1) / kLanes) {
+    case 1: return attn_scores_tile<CT, NH, 1>(q, D, cache, table, page, visible, scale, s);
+    case 2: return attn_scores_tile<CT, NH, 2>(q, D, cache, table, page, visible, scale, s);
+    case 3: return attn_scores_tile<CT, NH, 3>(q, D, cache, table, page, visible, scale, s);
+    case 4: return attn_scores_tile<CT, NH, 4>(q, D, cache, table, page, visible, scale, s);
+    case 5: return attn_scores_tile<CT, NH, 5>(q, D, cache, table, page, visible, scale, s);
+    case 6: return attn_scores_tile<CT, NH, 6>(q, D, cache, table, page, visible, scale, s);
+    default: return attn_scores_tile<CT, NH, 0>(q, D, cache, table, page, visible, scale, s);
   }
 }
 
@@ -355,10 +404,10 @@ void attention_typed(const float* q, int64_t H, int64_t R, int64_t P, const CT* 
         float* sh = scores + h0 * visible;
         const float* qh = qt + h0 * D;
         switch (H - h0 < 4 ? H - h0 : 4) {
-          case 4: attn_scores_tile<CT, 4>(qh, D, cache, table, page, visible, scale, sh); break;
-          case 3: attn_scores_tile<CT, 3>(qh, D, cache, table, page, visible, scale, sh); break;
-          case 2: attn_scores_tile<CT, 2>(qh, D, cache, table, page, visible, scale, sh); break;
-          default: attn_scores_tile<CT, 1>(qh, D, cache, table, page, visible, scale, sh); break;
+          case 4: attn_scores<CT, 4>(qh, D, cache, table, page, visible, scale, sh); break;
+          case 3: attn_scores<CT, 3>(qh, D, cache, table, page, visible, scale, sh); break;
+          case 2: attn_scores<CT, 2>(qh, D, cache, table, page, visible, scale, sh); break;
+          default: attn_scores<CT, 1>(qh, D, cache, table, page, visible, scale, sh); break;
         }
       }
       for (int64_t h = 0; h < H; ++h) {
