@@ -14,8 +14,8 @@ on the shipped model (its CPU rotary op), so the compiled mode is the default.
 
 Two ways to run:
   * batch:  `peer_vllm.py ... --rounds N --out result.json` loads once, warms up, runs every prompt N times.
-  * serve:  `peer_vllm.py ... --serve` loads, then answers one line per command on stdin (`run` = one round
-            over every prompt, `quit` or EOF = exit). Replies are stdout lines starting with PROTOCOL_PREFIX
+  * serve:  `peer_vllm.py ... --serve` loads, then answers one line per command on stdin (`run` = --warmup
+            unmeasured requests then one round over every prompt, `quit` or EOF = exit). Replies are stdout lines starting with PROTOCOL_PREFIX
             followed by JSON; every other line (vLLM's logs) is noise for the caller. This lets
             scripts/compare_vllm.py alternate rounds with our engine while paying vLLM's compile once.
 
@@ -36,13 +36,18 @@ from typing import Any, Optional
 PROTOCOL_PREFIX = "@@peer_vllm "
 
 
-def vllm_env(threads: int) -> dict[str, str]:
-    """The environment vLLM's CPU build needs here (FACTS.md), set before vllm or torch is imported."""
+def vllm_env(threads: int, bind: str = "cores") -> dict[str, str]:
+    """The environment vLLM's CPU build needs here (FACTS.md), set before vllm or torch is imported.
+
+    bind: `cores` pins its OpenMP threads to CPUs 0..threads-1 (FACTS.md's setting), `nobind` leaves them
+    to the OS scheduler like our engine's threads, anything else is passed to VLLM_CPU_OMP_THREADS_BIND."""
+    if bind == "cores":
+        bind = "0" if threads == 1 else f"0-{threads - 1}"
     return {
         "VLLM_MLA_DISABLE": "1",                      # its CPU MLA kernels refuse this model
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",         # engine core in this process: one process to time
         "VLLM_CPU_KVCACHE_SPACE": "1",                 # GiB of KV cache
-        "VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}",
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
         "OMP_NUM_THREADS": str(threads),
     }
 
@@ -110,7 +115,11 @@ def generate_one(llm: Any, prompt: list[int], n: int) -> tuple[list[int], float]
     return list(out[0].outputs[0].token_ids), secs
 
 
-def run_round(llm: Any, prompts: list[list[int]], n: int, speculative: bool) -> dict:
+def run_round(llm: Any, prompts: list[list[int]], n: int, speculative: bool, warmup: int = 0) -> dict:
+    """One measured pass over the prompts, after `warmup` unmeasured requests (as our sweep runs one before
+    each setting: after seconds of idling the first requests run several times slower)."""
+    for i in range(min(warmup, len(prompts))):
+        generate_one(llm, prompts[i], n)
     rows = []
     for p in prompts:
         before = spec_counters(llm) if speculative else None
@@ -139,8 +148,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     ap.add_argument("--output_tokens", type=int, default=128, help="New tokens per prompt (EOS ignored).")
     ap.add_argument("--nextn", type=int, default=0, help="MTP draft tokens (0 = no speculation).")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bind", default="cores", help="cores (pin to CPUs 0..threads-1) | nobind | a CPU list.")
     ap.add_argument("--max_model_len", type=int, default=1024)
-    ap.add_argument("--warmup", type=int, default=1, help="Requests run after loading, not measured.")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="Requests run after loading and before every measured round, not measured.")
     ap.add_argument("--rounds", type=int, default=1, help="Batch mode: measured passes over the prompts.")
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (gives wrong text on tiny-r1).")
     ap.add_argument("--serve", action="store_true", help="Answer `run` / `quit` lines on stdin.")
@@ -167,7 +178,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if longest > a.max_model_len:
         print(f"error: a prompt needs {longest} tokens but --max_model_len is {a.max_model_len}", file=sys.stderr)
         return 2
-    os.environ.update(vllm_env(a.threads))
+    os.environ.update(vllm_env(a.threads, a.bind))
     try:
         import vllm  # noqa: F401
     except Exception as e:                             # noqa: BLE001
@@ -188,19 +199,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     warmup_s = time.perf_counter() - t0
     info = {"vllm_version": vllm.__version__, "torch_version": torch.__version__, "nextn": a.nextn,
             "eager": a.eager, "threads": a.threads, "load_s": load_s, "warmup_s": warmup_s,
-            "num_prompts": len(prompts), "output_tokens": a.output_tokens, "env": vllm_env(a.threads)}
+            "num_prompts": len(prompts), "output_tokens": a.output_tokens, "env": vllm_env(a.threads, a.bind)}
     if a.serve:
         _reply({"event": "ready", **info})
         for line in sys.stdin:
             cmd = line.strip()
             if cmd == "run":
-                _reply({"event": "round", **run_round(llm, prompts, a.output_tokens, a.nextn > 0)})
+                _reply({"event": "round", **run_round(llm, prompts, a.output_tokens, a.nextn > 0, a.warmup)})
             elif cmd in ("quit", "exit"):
                 break
             elif cmd:
                 _reply({"event": "error", "error": f"unknown command {cmd!r}; use run or quit"})
         return 0
-    result = {**info, "rounds": [run_round(llm, prompts, a.output_tokens, a.nextn > 0) for _ in range(a.rounds)]}
+    result = {**info, "rounds": [run_round(llm, prompts, a.output_tokens, a.nextn > 0, a.warmup if r else 0)
+                                 for r in range(a.rounds)]}
     text = json.dumps(result) + "\n"
     if a.out == "-":
         sys.stdout.write(text)
