@@ -145,3 +145,19 @@ def test_missing_venv_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert r.returncode == 2 and r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: no vLLM venv python at") and "--vllm_python" in lines[0]
+
+
+def test_a_python_without_vllm_fails_with_the_reason(tmp_path: Path) -> None:
+    """The serve protocol end to end with our own python (no vllm here): the child reports the import
+    failure as an error event and the caller raises it with the log's path instead of hanging."""
+    try:
+        import vllm  # noqa: F401
+        pytest.skip("vllm is importable in this environment")
+    except ImportError:
+        pass
+    (tmp_path / "config.json").write_text("{}")
+    prompts = tmp_path / "p.json"
+    prompts.write_text("[[1, 2, 3]]")
+    with pytest.raises(RuntimeError, match="cannot import vllm") as e:
+        cv.VllmPeer(Path(sys.executable), str(tmp_path), prompts, 4, 0, 1, tmp_path / "vllm.log", timeout_s=120)
+    assert str(tmp_path / "vllm.log") in str(e.value)
