@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every number in BENCHMARKS.md, in one go, on the shipped model (CPU, 1 torch thread unless said).
 # Usage: bash scripts/run_benchmarks.sh [OUT_DIR]   (about 15 minutes on the project's 2-core machines)
+# The vLLM peer runs last, only when its venv exists (VLLM_PYTHON, default /work/venvs/vllm/bin/python; ~5 more min).
 set -euo pipefail
 out=${1:-runs/bench}
 mkdir -p "$out"
@@ -37,3 +38,11 @@ done | tee "$out/general.txt"
 echo "== quantized checkpoints"
 python3 scripts/quant_eval.py --model_dir mtp_core/assets/tiny-r1 --per_family 10 --out "$out/quant" --threads 2 \
   | tee "$out/quant.txt"
+echo "== peer: vLLM's CPU build on the same model and prompts (only when its venv exists)"
+vllm_py=${VLLM_PYTHON:-/work/venvs/vllm/bin/python}
+if [ -x "$vllm_py" ]; then
+  python3 scripts/compare_vllm.py --vllm_python "$vllm_py" --num_threads $T --rounds 2 --work_dir "$out/vllm" \
+    --report_json "$out/vllm.json" | tee "$out/vllm.txt"
+else
+  echo "skipped: no vLLM venv python at $vllm_py (set VLLM_PYTHON, or see scripts/compare_vllm.py)" | tee "$out/vllm.txt"
+fi
