@@ -442,3 +442,181 @@ def test_bench_client_mode_matches_offline_bench(servers, tiny1_dir, tmp_path) -
     assert b["decoding_stats"]["num_draft_tokens"] > 0                    # the server's MTP counters came back
     bad = runner.invoke(app, ["bench", "--dataset", str(ds), "--base_url", servers["mtp"], "--max_batch_size", "4"])
     assert bad.exit_code == 2 and "--max_batch_size configures a local engine" in bad.output
+
+
+# ---- the shipped model: 32 concurrent streaming clients with MTP, reasoning parser ---------------
+
+@pytest.fixture(scope="module")
+def shipped():
+    """(url, offline LLM without MTP) for the shipped model served with MTP K=3 and the R1 reasoning parser."""
+    from cli.common import DEFAULT_MODEL_DIR
+
+    kw = dict(max_seq_len=512, max_batch_size=32, max_tokens_kv=8192, tokens_per_block=16)
+    app = build_app(_llm(DEFAULT_MODEL_DIR, 3, **kw), "tiny-r1", reasoning_parser="deepseek-r1")
+    with server_in_thread(app) as url:
+        yield url, _llm(DEFAULT_MODEL_DIR, 0, **kw)
+
+
+def test_32_concurrent_streaming_clients_on_the_shipped_model(shipped, caplog) -> None:
+    from mtp_core.bench.dataset import encode_request, task_requests
+
+    url, offline_llm = shipped
+    caplog.set_level(logging.WARNING, logger="mtp")
+    reqs = task_requests("all", 32, 32)
+    prompts = [r.prompt for r in reqs]                 # chat-rendered, BOS included
+    want = [o.text for o in offline_llm.generate([encode_request(offline_llm.tokenizer, r) for r in reqs],
+                                                 SamplingParams(max_tokens=32))]
+
+    async def one(client: openai.AsyncOpenAI, p: str) -> str:
+        parts = []
+        async for ev in await client.completions.create(model="tiny-r1", prompt=p, max_tokens=32, temperature=0,
+                                                        stream=True):
+            if ev.choices:
+                parts.append(ev.choices[0].text)
+        return "".join(parts)
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        return await asyncio.wait_for(asyncio.gather(*[one(client, p) for p in prompts]), 300)
+
+    got = asyncio.run(main())
+    assert got == want
+    m = _wait_idle(url)
+    assert m["mtp_kv_cache_free_blocks"] == m["mtp_kv_cache_total_blocks"]
+    assert m["mtp_spec_decode_acceptance_length"] > 1.5           # MTP really drafted and was accepted
+    assert m['mtp_spec_decode_acceptance_per_position{position="2"}'] > 0
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_reasoning_parser_on_the_shipped_model(shipped) -> None:
+    url, offline_llm = shipped
+    question = "What is 347 + 285?"
+    out = offline_llm.generate([question], SamplingParams(max_tokens=400), apply_chat_template=True)[0]
+    end = offline_llm.tokenizer.think_token_ids()[1]
+    assert end in out.token_ids, "the shipped model should close its reasoning within 400 tokens"
+    cut = out.token_ids.index(end)
+    want_reasoning = offline_llm.tokenizer.decode(out.token_ids[:cut])
+    want_content = offline_llm.tokenizer.decode(out.token_ids[cut + 1:])
+    client = _client(url)
+    msg = [{"role": "user", "content": question}]
+    r = client.chat.completions.create(model="tiny-r1", messages=msg, max_tokens=400, temperature=0)
+    assert r.choices[0].message.reasoning_content == want_reasoning
+    assert r.choices[0].message.content == want_content and want_content.strip() and want_reasoning.strip()
+    parts = {"reasoning_content": "", "content": ""}
+    for ev in client.chat.completions.create(model="tiny-r1", messages=msg, max_tokens=400, temperature=0,
+                                             stream=True):
+        for k in parts:
+            parts[k] += getattr(ev.choices[0].delta, k, None) or ""
+    assert parts == {"reasoning_content": want_reasoning, "content": want_content}
+
+
+# ---- the command: quickstart parity, signals, bad flags ---------------------------------------
+
+def _start_cli(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+    err = tmp_path / "server.err"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--port", "0", "--num_threads", "1", *args],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(err, "w"))
+    deadline = time.monotonic() + 120
+    while True:
+        m = re.search(r"serving \S+ on (http://127\.0\.0\.1:\d+)", err.read_text())
+        if m:
+            return proc, m.group(1), err
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"mtp serve did not start: {err.read_text()}")
+        time.sleep(0.1)
+
+
+def test_cli_server_equals_quickstart_and_exits_0_on_sigterm(tiny1_dir, tmp_path) -> None:
+    import ast
+
+    from typer.testing import CliRunner
+
+    from cli.app import app
+
+    flags = ["--model_dir", str(tiny1_dir), "--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "2"]
+    qs = CliRunner().invoke(app, ["quickstart", *flags, "--num_threads", "1", "--max_tokens", str(MAX_TOKENS),
+                                  "--prompt", PROMPTS[0], "--prompt", PROMPTS[1]])   # `mtp quickstart`, in-process
+    assert qs.exit_code == 0, qs.output
+    quick = [ast.literal_eval(line.split("Generated text: ", 1)[1]) for line in qs.stdout.splitlines()
+             if "Generated text: " in line]
+    assert len(quick) == 2
+    proc, url, err = _start_cli(flags + ["--shutdown_timeout", "20"], tmp_path)
+    try:
+        client = _client(url)
+        assert [client.completions.create(model=tiny1_dir.name, prompt=p, max_tokens=MAX_TOKENS, temperature=0)
+                .choices[0].text for p in PROMPTS[:2]] == quick
+        # a streaming request in flight when SIGTERM arrives finishes; then the process exits 0
+        events: list[str] = []
+
+        def stream() -> None:
+            with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                    "model": tiny1_dir.name, "prompt": "1 2", "max_tokens": 100, "ignore_eos": True,
+                    "temperature": 0, "stream": True}) as r:
+                for line in r.iter_lines():
+                    events.append(line)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while not any(e.startswith("data: {") for e in events):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        t.join(30)
+    finally:
+        proc.kill()
+    log = err.read_text()
+    assert "Traceback" not in log and "SIGTERM received" in log, log
+    assert events[-2:] == ["data: [DONE]", ""] or events[-1] == "data: [DONE]"
+    assert any('"finish_reason": "length"' in e for e in events)          # it ran to its end
+
+
+def test_cli_server_ctrl_c_aborts_what_does_not_finish_in_time(tiny1_dir, tmp_path) -> None:
+    proc, url, err = _start_cli(["--model_dir", str(tiny1_dir), "--shutdown_timeout", "0.5"], tmp_path)
+    try:
+        lines: list[str] = []
+        failure: list[BaseException] = []
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", url + "/v1/completions", timeout=60, json={
+                        "model": tiny1_dir.name, "prompt": "1 2", "max_tokens": 2000, "ignore_eos": True,
+                        "temperature": 0, "stream": True}) as r:
+                    for line in r.iter_lines():
+                        lines.append(line)
+            except httpx.HTTPError as e:              # the connection closes under it: expected
+                failure.append(e)
+
+        t = threading.Thread(target=stream)
+        t.start()
+        while not any(x.startswith("data: {") for x in lines):
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        t.join(30)
+    finally:
+        proc.kill()
+    log = err.read_text()
+    assert "Traceback" not in log and "SIGINT received" in log, log
+    assert not any('"finish_reason": "length"' in x for x in lines)       # it was cut off, not finished
+
+
+def test_cli_serve_bad_flags_exit_2(tiny1_dir) -> None:
+    import socket
+
+    from typer.testing import CliRunner
+
+    from cli.app import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["serve", "--model_dir", str(tiny1_dir), "--reasoning_parser", "qwen9"])
+    assert r.exit_code == 2 and "--reasoning_parser 'qwen9' is unknown; use deepseek-r1" in r.output
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        r = runner.invoke(app, ["serve", "--model_dir", str(tiny1_dir), "--port", str(port)])
+    assert r.exit_code == 2 and f"cannot listen on 127.0.0.1:{port}" in r.output
+    r = runner.invoke(app, ["serve", "--model_dir", str(tiny1_dir), "--max_tokens", "5"])
+    assert r.exit_code == 2 and "No such option: --max_tokens" in r.output

@@ -80,6 +80,7 @@ def build_app(llm: Any, model_name: str, reasoning_parser: Optional[str] = None,
 
     app = FastAPI(title="mtp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.mtp = state
+    app.add_middleware(_QuietCancel)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -374,6 +375,22 @@ def _sse(state: ServerState, h: RequestHandle, text: OutputText, rid: str, chat:
 
 def _data(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _QuietCancel:
+    """A request cancelled by the server's shutdown (past --shutdown_timeout) ends quietly: its engine request
+    was aborted by the handler's cleanup; a traceback in the log would only alarm."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except asyncio.CancelledError:
+            if scope.get("type") != "http":
+                raise
+            log.warning("%s %s cancelled by the shutdown", scope.get("method"), scope.get("path"))
 
 
 class _Stream(StreamingResponse):
