@@ -189,7 +189,7 @@ def _run_http(ctx: typer.Context, base_url: str, dataset: Path, num_requests: in
 
     engine_only = [f for f in explicit_flags(ctx) if f not in (
         "dataset", "num_requests", "concurrency", "warmup", "ignore_eos", "report_json", "request_json",
-        "log_level", "base_url", "num_threads")]
+        "log_level", "base_url", "num_threads", "streaming")]   # over HTTP every request streams
     if engine_only:
         raise ValueError(f"--{engine_only[0]} configures a local engine; with --base_url the server's settings "
                          "apply (pass it to `mtp serve`)")

@@ -378,6 +378,25 @@ def test_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(serve
     assert m["mtp_kv_cache_free_blocks"] == m["mtp_kv_cache_total_blocks"] and m["mtp_engine_step_failures_total"] >= 1
 
 
+def test_unexpected_handler_error_is_a_500_object_without_traceback(servers, monkeypatch, caplog) -> None:
+    url = servers["mtp"]
+    tok = url.state.llm.tokenizer
+
+    def broken(*a, **k):
+        raise RuntimeError("template engine on fire")
+
+    monkeypatch.setattr(tok, "apply_chat_template", broken)
+    caplog.set_level(logging.DEBUG, logger="mtp")
+    r = httpx.post(url + "/v1/chat/completions", timeout=30,
+                   json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert r.status_code == 500
+    assert r.json()["error"]["message"] == "internal error: RuntimeError: template engine on fire"
+    assert any("unexpected error on /v1/chat/completions" in m for m in caplog.messages)
+    monkeypatch.undo()
+    ok = _client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
 # ---- the text pipeline: reasoning split, stop strings across pieces ------------------------------
 
 def test_reasoning_split_on_the_think_token(tiny1_dir) -> None:

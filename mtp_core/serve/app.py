@@ -96,13 +96,6 @@ def build_app(llm: Any, model_name: str, reasoning_parser: Optional[str] = None,
         return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(),
                             status_code=405)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
-        log.error("unexpected error on %s: %s: %s", request.url.path, type(e).__name__, e)
-        log.debug("traceback", exc_info=True)
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                                     ).body(), status_code=500)
-
     @app.get("/health")
     async def health() -> Response:
         if not state.loop.alive or not state.accepting:
@@ -378,19 +371,34 @@ def _data(obj: dict) -> str:
 
 
 class _QuietCancel:
-    """A request cancelled by the server's shutdown (past --shutdown_timeout) ends quietly: its engine request
-    was aborted by the handler's cleanup; a traceback in the log would only alarm."""
+    """Outermost guard of every HTTP request. An unexpected exception becomes a 500 error object (one log
+    line; the traceback only at debug level). A request cancelled by the server's shutdown (past
+    --shutdown_timeout) ends quietly: its handler's cleanup has aborted its engine request already."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, tracked)
         except asyncio.CancelledError:
-            if scope.get("type") != "http":
-                raise
             log.warning("%s %s cancelled by the shutdown", scope.get("method"), scope.get("path"))
+        except Exception as e:  # noqa: BLE001 - never a traceback in the server log for one request
+            first = str(e).splitlines()[0] if str(e) else ""
+            log.error("unexpected error on %s: %s: %s", scope.get("path"), type(e).__name__, first)
+            log.debug("traceback", exc_info=True)
+            if not started:
+                await JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {first}".rstrip(": ")).body(),
+                                   status_code=500)(scope, receive, send)
 
 
 class _Stream(StreamingResponse):
