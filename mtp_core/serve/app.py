@@ -320,15 +320,18 @@ def _sse(state: ServerState, h: RequestHandle, text: OutputText, rid: str, chat:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
 
+    head = json.dumps({"id": rid, "object": obj, "created": created, "model": state.model_name})[:-1]
+
     def chunk(delta: Optional[dict[str, str]], reason: Optional[str], first: bool = False) -> str:
+        # hand-assembled (the hot path: one per request per engine step); same JSON as json.dumps would give
         if chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            for k, v in (delta or {}).items():
-                d[k] = v
-            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            d.update(delta or {})
+            body = f'{{"index": 0, "delta": {json.dumps(d, ensure_ascii=False)}, "logprobs": null'
         else:
-            choice = {"index": 0, "text": (delta or {}).get("content", ""), "logprobs": None, "finish_reason": reason}
-        return _data({"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice]})
+            body = f'{{"index": 0, "text": {json.dumps((delta or {}).get("content", ""), ensure_ascii=False)}, ' \
+                   f'"logprobs": null'
+        return f'data: {head}, "choices": [{body}, "finish_reason": {json.dumps(reason)}}}]}}\n\n'
 
     async def gen() -> AsyncIterator[str]:
         if chat:

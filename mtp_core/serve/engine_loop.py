@@ -3,7 +3,8 @@
 Handlers call `submit()` (from the asyncio event loop): the request goes into a thread-safe command queue
 and the loop thread adds it to the engine between two steps, so it joins the in-flight batch. After every
 step the loop posts each live request's new token ids (and, at the end, its finish reason and
-statistics) to that request's asyncio queue with `call_soon_threadsafe`. `abort()` (a client that went
+statistics) to that request's asyncio queue: all of a step's events go over in one `call_soon_threadsafe`
+per event loop (one wake-up per step, not one per request). `abort()` (a client that went
 away, a stop string, shutdown) is a command too: the loop thread calls `Engine.abort` before its next
 step, which frees the request's KV blocks. Nothing but the loop thread touches the Engine.
 
@@ -43,7 +44,8 @@ class Event:
 class RequestHandle:
     """One submitted request, as seen from both sides (the asyncio side reads only `events`)."""
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop,
+                 outbox: "Outbox") -> None:
         self.prompt_ids = prompt_ids
         self.params = params
         self.loop = loop
@@ -52,16 +54,35 @@ class RequestHandle:
         self.sent = 0                            # output tokens already posted
         self.closed = False                      # a final event was posted
         self.abort_reason: Optional[str] = None  # why the server side aborted it (client gone, stop string)
+        self.outbox = outbox
 
     def post(self, ev: Event) -> None:
+        """Loop thread only: queue `ev` for this request (sent on the next Outbox.flush)."""
         if self.closed:
             return
         if ev.kind != "tokens":
             self.closed = True
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
-        except RuntimeError:       # the event loop is closed (shutdown): nobody is listening any more
-            pass
+        self.outbox.pending.setdefault(self.loop, []).append((self.events, ev))
+
+
+class Outbox:
+    """Events posted by the loop thread, delivered in one call_soon_threadsafe per event loop."""
+
+    def __init__(self) -> None:
+        self.pending: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}
+
+    def flush(self) -> None:
+        pending, self.pending = self.pending, {}
+        for loop, items in pending.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:   # that event loop is closed (shutdown): nobody is listening any more
+                pass
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)
 
 
 @dataclass
@@ -83,6 +104,7 @@ class EngineLoop:
         self.llm = llm
         self.engine = llm.engine
         self.commands: queue.Queue[tuple[str, RequestHandle]] = queue.Queue()
+        self.outbox = Outbox()
         self.live: dict[int, RequestHandle] = {}          # id(handle) -> handle, loop thread only
         self.counters = Counters()
         self._stop = threading.Event()
@@ -101,7 +123,7 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
-        h = RequestHandle(prompt_ids, params, asyncio.get_running_loop())
+        h = RequestHandle(prompt_ids, params, asyncio.get_running_loop(), self.outbox)
         self.commands.put(("add", h))
         return h
 
@@ -126,6 +148,7 @@ class EngineLoop:
                     break
                 if self.engine.has_unfinished():
                     self._step()
+                self.outbox.flush()
         except BaseException as e:  # noqa: BLE001 - the loop must never die silently
             self.error = e
             log.error("engine loop stopped: %s: %s", type(e).__name__, e, exc_info=True)
@@ -136,6 +159,7 @@ class EngineLoop:
                 h.post(Event("error", status=503, message="the server is shutting down; retry later"))
             self.live.clear()
             self._drain(block=False, refuse=True)
+            self.outbox.flush()
 
     def _drain(self, block: bool, refuse: bool = False) -> None:
         try:
