@@ -21,7 +21,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 
 from conftest import llm_config
 from mtp_core.llm import LLM
