@@ -237,8 +237,16 @@ def test_openai_client_raises_typed_errors(servers) -> None:
 
 # ---- cancellation -----------------------------------------------------------------------------
 
-def test_clients_disconnecting_mid_stream_are_aborted(servers, offline) -> None:
+def test_clients_disconnecting_mid_stream_are_aborted(servers, offline, monkeypatch) -> None:
     url = servers["mtp"]
+    eng = url.state.loop.engine
+    step = eng.step
+
+    def paced_step():
+        time.sleep(0.01)                 # a leaver's 40 tokens take >= 0.25 s: it cannot finish before it leaves
+        return step()
+
+    monkeypatch.setattr(eng, "step", paced_step)
     before = _metrics(url)
     long_prompt = "1 2 3"
 
@@ -577,7 +585,8 @@ def test_cli_server_equals_quickstart_and_exits_0_on_sigterm(tiny1_dir, tmp_path
 
         t = threading.Thread(target=stream)
         t.start()
-        while not any(e.startswith("data: {") for e in events):
+        deadline = time.monotonic() + 60
+        while not any(e.startswith("data: {") for e in events) and time.monotonic() < deadline:
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
@@ -614,6 +623,9 @@ def test_ctrl_c_aborts_what_does_not_finish_in_time(tiny1_dir, caplog) -> None:
                         os.kill(os.getpid(), signal.SIGINT)        # Ctrl-C
         except httpx.HTTPError:
             pass                                                   # the connection closes under it: expected
+        finally:
+            if len(lines) < 3:                                     # never leave serve() running: fail instead
+                os.kill(os.getpid(), signal.SIGINT)
 
     caplog.set_level(logging.INFO)
     t = threading.Thread(target=client)
