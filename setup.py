@@ -26,9 +26,10 @@ setup(
     package_data={"mtp_core": ["assets/*/*", "assets/*/*/*"]},
     include_package_data=True,
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "typer>=0.12", "rich", "pyyaml", "safetensors", "tokenizers", "jinja2"],
+    install_requires=["torch>=2.4", "typer>=0.12", "rich", "pyyaml", "safetensors", "tokenizers", "jinja2",
+                      "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"],   # `mtp serve`, `mtp bench --base_url`
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers>=4.57"],
+        "test": ["pytest", "hypothesis", "transformers>=4.57", "openai>=1.40", "httpx>=0.27"],
         "peers": ["transformers>=4.57"],
         "plot": ["matplotlib"],
         "gpu": ["deep_gemm"],

@@ -35,6 +35,13 @@ try:  # commands added by later issues register themselves only when their modul
 except ImportError:  # pragma: no cover
     pass
 
+try:  # the HTTP server needs fastapi + uvicorn (install_requires); without them the other commands still work
+    from cli.serve import serve_command
+    app.command("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics).",
+                context_settings={"help_option_names": ["-h", "--help"]})(serve_command)
+except ImportError:  # pragma: no cover
+    pass
+
 NARGS_PLUS = {"--prompt", "--cuda_graph_batch_sizes"}  # TensorRT-LLM takes `--prompt a b c`; click wants `--prompt a --prompt b`
 
 

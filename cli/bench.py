@@ -119,10 +119,16 @@ def bench_command(
     report_json: Optional[Path] = REPORT_JSON,
     request_json: Optional[Path] = typer.Option(None, "--request_json", help="Write per-request results here."),
     log_level: str = LOG_LEVEL,
+    base_url: Optional[str] = typer.Option(None, "--base_url",
+                                           help="Benchmark a running `mtp serve` (OpenAI API) at this URL over HTTP "
+                                                "instead of loading the model here."),
 ) -> None:
     setup_logging(log_level)
 
     def run() -> None:
+        if base_url is not None:
+            return _run_http(ctx, base_url, dataset, num_requests, concurrency, warmup, ignore_eos, report_json,
+                             request_json)
         from mtp_core.bench.dataset import encode_request, load_dataset
         from mtp_core.bench.metrics import decode_acceptance_length, decode_step_time_s
         from mtp_core.bench.progress import request_progress
@@ -176,3 +182,52 @@ def bench_command(
 
     run_or_exit(run)
 
+
+
+def _run_http(ctx: typer.Context, base_url: str, dataset: Path, num_requests: int, concurrency: int, warmup: int,
+              ignore_eos: bool, report_json: Optional[Path], request_json: Optional[Path]) -> None:
+    """Client mode: the same report, measured over HTTP against a running server."""
+    from mtp_core.bench.dataset import load_dataset
+    from mtp_core.bench.http_client import build_http_report, get_json, run_http_requests, served_model
+    from mtp_core.bench.progress import request_progress
+    from mtp_core.bench.report import dataset_info, format_report
+
+    engine_only = [f for f in explicit_flags(ctx) if f not in (
+        "dataset", "num_requests", "concurrency", "warmup", "ignore_eos", "report_json", "request_json",
+        "log_level", "base_url", "num_threads", "streaming")]   # over HTTP every request streams
+    if engine_only:
+        raise ValueError(f"--{engine_only[0]} configures a local engine; with --base_url the server's settings "
+                         "apply (pass it to `mtp serve`)")
+    for name, v in (("--num_requests", num_requests), ("--warmup", warmup)):
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    if concurrency == 0 or concurrency < -1:
+        raise ValueError(f"--concurrency must be >= 1 (or -1 for all at once), got {concurrency}")
+    if not base_url.startswith(("http://", "https://")):
+        raise ValueError(f"--base_url must start with http:// or https://, got {base_url!r}")
+    requests = load_dataset(dataset)
+    in_file = len(requests)
+    requests = requests[:num_requests] if num_requests else requests
+    info = get_json(base_url, "/server_info")
+    model = served_model(base_url)
+    jobs = [(r.task_id, r.input_ids if r.input_ids is not None else r.prompt, r.output_tokens) for r in requests]
+    if warmup:
+        run_http_requests(base_url, [jobs[i % len(jobs)] for i in range(warmup)], concurrency, ignore_eos, model)
+    with request_progress(len(jobs), "bench") as advance:
+        results = run_http_requests(base_url, jobs, concurrency, ignore_eos, model, on_finish=advance)
+    records = [r for r, _ in results]
+    lengths = [range(r.num_input_tokens) for r in records]          # dataset_info needs only the lengths
+    ds = dataset_info(str(dataset), in_file, lengths, [r.output_tokens for r in requests],  # type: ignore[arg-type]
+                      [r.extra.get("task") for r in requests])
+    report = build_http_report(records, info, concurrency, ds,
+                               {"warmup": warmup, "ignore_eos": ignore_eos, "base_url": base_url})
+    print(format_report(report), flush=True)
+    if report_json is not None:
+        write_json(report_json, report)
+    if request_json is not None:
+        rows = [{"task_id": r.task_id, "input_tokens": r.num_input_tokens, "output_tokens": r.num_output_tokens,
+                 "ttft_ms": r.ttft_s * 1e3, "e2e_ms": r.e2e_s * 1e3,
+                 "tpot_ms": None if r.tpot_s is None else r.tpot_s * 1e3, "decoding_steps": r.stats.num_steps,
+                 "acceptance_length": r.stats.acceptance_length, "finish_reason": r.finish_reason, "output": text}
+                for r, text in results]
+        write_json(request_json, rows)

@@ -127,6 +127,12 @@ def test_doc_example_runs(index: int, example_env, tmp_path: Path) -> None:
     code, body = doc_examples()[index]
     shutil.copy(REPO / "extra-llm-api-config.yml", tmp_path)
     script = "set -eo pipefail\n" + re.sub(r"\bDIR\b", str(ckpt), body)
+    if "mtp serve" in body:                  # the server example: a free port instead of 8000
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            script = re.sub(r"\b8000\b", str(sock.getsockname()[1]), script)
     r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert r.returncode == code, f"example {index} exited {r.returncode}, expected {code}\n{body}\n{r.stderr}"
     assert "Traceback" not in r.stderr, r.stderr

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (`mtp serve`): one engine loop thread, FastAPI + uvicorn in front."""

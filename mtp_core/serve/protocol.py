@@ -1,0 +1,197 @@
+"""Request bodies of the OpenAI API (the subset served here), strictly validated, and OpenAI error objects.
+
+Bodies are parsed with pydantic in strict mode (`"5"` is not an integer, `5.0` is not an integer; an integer
+is a valid float). Unknown fields are rejected, as OpenAI does. Known OpenAI fields that this server does
+not implement are accepted only at their neutral value (`n: 1`, `presence_penalty: 0`, ...); any other
+value is a 400 that says what to send instead. Extensions: `top_k`, `ignore_eos`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style error object: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+                503: "service_unavailable"}.get(self.status, "server_error" if self.status >= 500
+                                                 else "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Common(_Strict):
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None                  # extension (vLLM, SGLang, TensorRT-LLM)
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    ignore_eos: bool = False                     # extension
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, Union[int, float]]] = None
+    user: Optional[str] = None
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        """(param, message) for a known field set to a value this server cannot honour."""
+        if self.n != 1:
+            return "n", f"n={self.n} is not supported (one choice per request); send n=1 or omit it, and repeat the request for more choices"
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if v not in (None, 0, 0.0):
+                return name, f"{name} is not supported; omit it or send 0"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported; omit it or send {}"
+        return None
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        base = super().unsupported()
+        if base:
+            return base
+        if self.echo:
+            return "echo", "echo is not supported; omit it or send false"
+        if self.logprobs not in (None, 0):
+            return "logprobs", "logprobs is not supported; omit it"
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of > 1 is not supported; omit it or send 1"
+        if self.suffix:
+            return "suffix", "suffix is not supported; omit it"
+        return None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")   # e.g. tool_calls: null from some clients
+    role: str
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[dict[str, Any]] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        base = super().unsupported()
+        if base:
+            return base
+        if self.logprobs or self.top_logprobs:
+            return "logprobs", "logprobs is not supported; omit it or send false"
+        if self.tools:
+            return "tools", "tool calls are not supported; omit tools"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice", "tool_choice is not supported; omit it"
+        if self.response_format not in (None, {"type": "text"}):
+            return "response_format", 'only response_format {"type": "text"} is supported; omit it'
+        return None
+
+
+_TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
+               "string_type": "a string", "list_type": "a list", "dict_type": "an object",
+               "model_type": "an object", "literal_error": "one of the allowed values"}
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}
+
+
+def _is_tag(p: Any) -> bool:
+    return isinstance(p, str) and (p in _UNION_TAGS or "[" in p or "-" in p)
+
+
+def _where(loc: tuple) -> str:
+    out = ""
+    for p in loc:
+        if _is_tag(p):
+            continue
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out
+
+
+def parse_body(raw: bytes, model: type[_Strict]) -> Any:
+    """Raw JSON bytes -> the request model; every problem is one APIError(400) naming the field."""
+    if not raw.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({getattr(e, 'msg', e)} at position "
+                            f"{getattr(e, 'pos', '?')}); send a JSON object") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise APIError(400, _first_error(e), param=_where(e.errors()[0]["loc"]) or None) from None
+
+
+def _first_error(e: ValidationError) -> str:
+    # prefer the most specific error of a field (a union reports one error per member)
+    errs = e.errors()
+    err = errs[0]
+    where = _where(err["loc"])
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        return f"unrecognized request argument: {where}; remove it"
+    if kind == "missing":
+        return f"missing required argument: {where}"
+    if kind == "too_short":
+        return f"{where} must not be empty"
+    got = err.get("input")
+    got_s = json.dumps(got, default=str)[:60]
+    if any(_is_tag(p) for p in err["loc"]):          # a union field: say what the field accepts
+        last = [p for p in err["loc"] if not _is_tag(p)][-1]
+        expected = {"prompt": "a string or a list of token ids", "stop": "a string or a list of strings",
+                    "content": "a string or a list of {type: text, text} parts",
+                    "tool_choice": "a string or an object", "logit_bias": "a map of token id to number"}
+        return f"{where} must be {expected.get(str(last), 'of another type')}, got {got_s}"
+    if kind in _TYPE_WORDS:
+        return f"{where} must be {_TYPE_WORDS[kind]}, got {got_s}"
+    return f"{where}: {err['msg']}"
