@@ -159,6 +159,17 @@ def test_seeded_sampling_is_reproducible(servers) -> None:
     assert a == b and len(a) > 0
 
 
+def test_prefix_cache_hits_reach_metrics(servers) -> None:
+    url = servers["mtp"]
+    hits = lambda: float(re.search(r"^mtp_prefix_cache_hits_tokens_total\{[^}]*\} (\S+)$",  # noqa: E731
+                                   httpx.get(url + "/metrics").text, re.M).group(1))
+    before = hits()
+    prompt = list(range(40, 40 + 3 * 8 + 2))          # three full blocks and then some, sent twice
+    for _ in range(2):
+        _client(url).completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    assert hits() > before
+
+
 def test_models_health_and_metrics_format(servers) -> None:
     url = servers["mtp"]
     assert [m.id for m in _client(url).models.list().data] == ["tiny"]
@@ -166,7 +177,8 @@ def test_models_health_and_metrics_format(servers) -> None:
     text = httpx.get(url + "/metrics").text
     for name in ("mtp_num_requests_running", "mtp_num_requests_waiting", "mtp_generation_tokens_total",
                  "mtp_engine_step_seconds_count", "mtp_spec_decode_num_drafts_total",
-                 "mtp_spec_decode_acceptance_per_position", "mtp_spec_decode_acceptance_length"):
+                 "mtp_spec_decode_acceptance_per_position", "mtp_spec_decode_acceptance_length",
+                 "mtp_prefix_cache_hits_tokens_total", "mtp_prefix_cache_token_hit_rate"):
         assert f"# TYPE {name.removesuffix('_count')} " in text, name
     for line in text.splitlines():               # every sample line: name{labels} number
         assert line.startswith("#") or re.fullmatch(r'[a-z_]+\{[^}]*\} -?[0-9.e+-]+', line), line
