@@ -24,6 +24,7 @@ ap.add_argument("--per_task", type=int, default=50)
 ap.add_argument("--max_tokens", type=int, default=320)
 ap.add_argument("--threads", type=int, default=1)
 ap.add_argument("--bf16", action="store_true")
+ap.add_argument("--bf16_only", action="store_true")
 args = ap.parse_args()
 torch.set_num_threads(args.threads)
 records = [r for f in FAMILIES for r in eval_records(f, args.per_task)]
@@ -48,11 +49,12 @@ def same(a: list[list[int]], b: list[list[int]]) -> str:
 
 
 print(f"{len(records)} held-out prompts x {args.max_tokens} tokens (EOS ignored), greedy, {args.model_dir}")
-base = run("float32", 0, "auto", True)
-print(f"fp32 native vs torch path, nextn=0: {same(base, run('float32', 0, 'auto', False))}")
-for mode in ("eagle", "vanilla"):
-    print(f"fp32 native, MTP {mode} K=3 vs nextn=0: {same(base, run('float32', 3, mode, True))}")
-if args.bf16:
+if not args.bf16_only:
+    base = run("float32", 0, "auto", True)
+    print(f"fp32 native vs torch path, nextn=0: {same(base, run('float32', 0, 'auto', False))}")
+    for mode in ("eagle", "vanilla"):
+        print(f"fp32 native, MTP {mode} K=3 vs nextn=0: {same(base, run('float32', 3, mode, True))}")
+if args.bf16 or args.bf16_only:
     b16 = run("bfloat16", 0, "auto", True)
     for mode in ("eagle", "vanilla"):
         print(f"bf16 native, MTP {mode} K=3 vs nextn=0: {same(b16, run('bfloat16', 3, mode, True))}")

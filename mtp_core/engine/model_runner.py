@@ -26,26 +26,12 @@ class ModelRunner:
         return AttentionMetadata.build(positions, [r.seq.block_table for r in rows], self.tokens_per_block,
                                        use_absorbed=not any(r.is_prefill for r in rows), device=self.device)
 
-    def _forward(self, rows: list[ScheduledRow], meta: AttentionMetadata | None) -> list[torch.Tensor]:
-        """Hidden states per row. With the native CPU decode forward, a batch that mixes prefill chunks
-        and decode rows runs as two forwards (rows are independent), so a decode row is always computed
-        by the same (batch-invariant) code whatever else shares its step."""
-        decode = [i for i, r in enumerate(rows) if not r.is_prefill]
-        if self.model.native is not None and decode and len(decode) < len(rows):
-            prefill = [i for i, r in enumerate(rows) if r.is_prefill]
-            per_row: list[torch.Tensor] = [None] * len(rows)  # type: ignore[list-item]
-            for group in (decode, prefill):
-                for i, h in zip(group, self._forward([rows[i] for i in group], None)):
-                    per_row[i] = h
-            return per_row
+    @torch.inference_mode()
+    def execute(self, rows: list[ScheduledRow], meta: AttentionMetadata | None = None) -> TargetOutput:
         meta = meta if meta is not None else self.prepare(rows)
         ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(ids, meta, self.caches)                          # [T, H]
-        return list(hidden.split([len(r.token_ids) for r in rows]))
-
-    @torch.inference_mode()
-    def execute(self, rows: list[ScheduledRow], meta: AttentionMetadata | None = None) -> TargetOutput:
-        per_row = self._forward(rows, meta)
+        per_row = list(hidden.split([len(r.token_ids) for r in rows]))
         # one lm_head call for every position whose logits are needed
         wanted = [h if not r.is_prefill else h[-1:] for r, h in zip(rows, per_row)
                   if not r.is_prefill or r.is_final_chunk]

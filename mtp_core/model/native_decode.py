@@ -5,10 +5,11 @@ batch-invariant LM head mtp_core::linear_bi.
 Built once per model by `NativeDecoder.build` after `fuse_for_decode` (it reads the fused weights:
 W_a = [q_a | kv_a], absorbed W_q / W_o, stacked experts), or not at all, with one log line saying why:
 not a CPU, no native ops (`MTP_CORE_KERNELS=reference`), `MTP_CORE_NATIVE_DECODE=0`, weights that are
-not plain fp32/bf16 (quantized), unfused attention, or a distributed model. It serves batches whose rows
-are all decode / verification / draft rows (the absorbed attention path, at most MAX_QUERIES_PER_ROW
-tokens per row); prefill chunks take the torch path. The contract and the torch reference are in
-mtp_core/kernels/decode_ref.py.
+not plain fp32/bf16 (quantized), unfused attention, or a distributed model. It serves every serving
+forward with host metadata: decode, verification and draft rows, and prefill chunks too (absorbed
+attention over the paged cache, causal within each row, at most MAX_TOKENS tokens per call), so that every
+token of a request is computed by the same batch-invariant code whatever shares its step and however its
+prompt was chunked. The contract and the torch reference are in mtp_core/kernels/decode_ref.py.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from mtp_core.model.moe import MoE
 
 log = logging.getLogger("mtp.model")
 
-MAX_QUERIES_PER_ROW = 16
+MAX_TOKENS = 16384
 
 
 def _none() -> torch.Tensor:
@@ -139,10 +140,9 @@ class NativeDecoder:
 
     # ---- serving -------------------------------------------------------------------------
     def accepts(self, meta: AttentionMetadata) -> bool:
-        """Decode-shaped batches with host metadata (every row at most MAX_QUERIES_PER_ROW tokens)."""
-        if not meta.use_absorbed or not meta.row_positions or torch.is_grad_enabled():
-            return False
-        if max(len(p) for p in meta.row_positions) > MAX_QUERIES_PER_ROW:
+        """Serving forwards with host metadata (not the device-only AttentionMetadata.uniform of the graph
+        step), no autograd, at most MAX_TOKENS tokens."""
+        if not meta.row_positions or torch.is_grad_enabled() or meta.query_start[-1] > MAX_TOKENS:
             return False
         if max(meta.context_lens) > self._rope_len:
             self._grow_rope(max(meta.context_lens) + 256)
