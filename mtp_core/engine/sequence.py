@@ -69,7 +69,7 @@ class Sequence:
         self.drafts = []
         self.window_tokens = []
         self.window_hidden = None
-        self.mtp_valid = 0
+        self.mtp_valid = start          # a reused prefix brings its MTP-cache entries too
         self.mtp_pending = None
 
     @property
