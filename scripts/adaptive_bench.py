@@ -164,6 +164,7 @@ def main() -> None:
     ap.add_argument("--confidences", default="0.2,0.3,0.4,0.5")
     ap.add_argument("--sections", default="task,general,calibration,batch16")
     ap.add_argument("--schedules", default="1:3,4:0;1:3,2:1,4:0")
+    ap.add_argument("--batch16_fixed", type=int, default=1, help="0: leave out the fixed K=3 row at batch 16")
     ap.add_argument("--fixed", default="eagle:1,2,3,4,5;vanilla:1,2,3", help="fixed-K settings, MODE:K,K;...")
     ap.add_argument("--adaptive", default="",
                     help="extra adaptive settings, MODE:K:c=C[,win=N@T];... (besides --confidences)")
@@ -231,10 +232,10 @@ def main() -> None:
         from mtp_core.speculative.adaptive import parse_schedule
         sched = [Setting("eagle", 3, adaptive=True, schedule=tuple(parse_schedule(s).items()))
                  for s in args.schedules.split(";")]
-        settings = [Setting("none", 0), Setting("eagle", 3)] + sched
+        settings = [Setting("none", 0)] + ([Setting("eagle", 3)] if args.batch16_fixed else []) + sched
         print("== batch 16 (32 requests)", file=sys.stderr)
         res = rounds(model, base, eos, think, settings, prompts, outs, 16, args.rounds)
-        text, summary = table(res, ["eagle K=3"])
+        text, summary = table(res, ["eagle K=3"] if args.batch16_fixed else ["nextn=0"])
         print(f"\n== batch 16 (concurrency 16, 32 requests x {args.output_tokens} tokens, {args.rounds} rounds)\n"
               + text, flush=True)
         report["batch16"] = {"settings": summary, "rounds": res}
