@@ -20,7 +20,9 @@ log = logging.getLogger("mtp.cli")
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPT, EXIT_PIPE = 0, 1, 2, 130, 141
 SPEC_FLAGS = ("spec_decode_max_draft_len", "use_relaxed_acceptance_for_thinking", "relaxed_topk",
-              "relaxed_delta", "use_mtp_vanilla", "mtp_mode")
+              "relaxed_delta", "use_mtp_vanilla", "mtp_mode", "spec_decode_draft_confidence",
+              "spec_decode_draft_len_schedule", "spec_decode_acceptance_window",
+              "spec_decode_acceptance_length_threshold")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GPU_MOE_BACKENDS = ("CUTLASS", "TRTLLM", "WIDEEP", "CUTEDSL", "DEEPGEMM", "TRITON")
 
@@ -152,7 +154,8 @@ def build_llm_config(p: dict[str, Any], explicit: dict[str, Any], note: Callable
         spec = SpeculativeConfig(num_nextn_predict_layers=p["spec_decode_max_draft_len"],
                                  use_relaxed_acceptance_for_thinking=p["use_relaxed_acceptance_for_thinking"],
                                  relaxed_topk=p["relaxed_topk"], relaxed_delta=p["relaxed_delta"],
-                                 use_mtp_vanilla=p["use_mtp_vanilla"], mtp_mode=p["mtp_mode"].lower())
+                                 use_mtp_vanilla=p["use_mtp_vanilla"], mtp_mode=p["mtp_mode"].lower(),
+                                 **adaptive_options(p))
     graphs = None
     if p.get("use_cuda_graph"):
         graphs = CudaGraphConfig(batch_sizes=list(p.get("cuda_graph_batch_sizes") or []) or None,
@@ -187,6 +190,30 @@ def build_llm_config(p: dict[str, Any], explicit: dict[str, Any], note: Callable
                         "has" if len(typed) == 1 else "have")
     check_device_features(cfg)
     return cfg
+
+
+def adaptive_options(p: dict[str, Any]) -> dict[str, Any]:
+    """The adaptive draft-length flags -> SpeculativeConfig fields, with one-line errors naming the flag."""
+    from mtp_core.speculative.adaptive import parse_schedule
+
+    c = p.get("spec_decode_draft_confidence", 0.0)
+    if c is not None and not 0 <= c < 1:
+        raise ValueError(f"--spec_decode_draft_confidence must be in [0, 1) (0 = off), got {c}")
+    w = p.get("spec_decode_acceptance_window", 0) or 0
+    if w < 0:
+        raise ValueError(f"--spec_decode_acceptance_window must be >= 0 (0 = off), got {w}")
+    t = p.get("spec_decode_acceptance_length_threshold", 0.0) or 0.0
+    if t < 0:
+        raise ValueError(f"--spec_decode_acceptance_length_threshold must be >= 0, got {t}")
+    sched = p.get("spec_decode_draft_len_schedule")
+    sched = parse_schedule(sched, "--spec_decode_draft_len_schedule") if sched else None
+    K = p.get("spec_decode_max_draft_len", 1)
+    over = next(((b, k) for b, k in (sched or {}).items() if k > K), None)
+    if over is not None and p.get("extra_llm_api_options") is None:     # (a YAML file may set K itself)
+        raise ValueError(f"--spec_decode_draft_len_schedule: {over[1]} drafts at batch size {over[0]} exceed "
+                         f"--spec_decode_max_draft_len {K}; lower the entry or raise the draft length")
+    return dict(draft_confidence_threshold=float(c or 0.0), draft_len_schedule=sched, acceptance_window=w,
+                acceptance_length_threshold=float(t))
 
 
 def default_device() -> str:

@@ -114,6 +114,17 @@ def quickstart_command(
     use_mtp_vanilla: bool = typer.Option(False, "--use_mtp_vanilla", help="MTP Vanilla (K distinct modules)."),
     mtp_mode: MtpMode = typer.Option(MtpMode.auto, "--mtp_mode", case_sensitive=False,
                                      help="auto: one MTP module -> eagle, more -> vanilla."),
+    spec_decode_draft_confidence: float = typer.Option(
+        0.0, "--spec_decode_draft_confidence",
+        help="Adaptive drafting: stop a step's drafts when the product of their probabilities falls below this, in [0, 1) (0 = off)."),
+    spec_decode_draft_len_schedule: Optional[str] = typer.Option(
+        None, "--spec_decode_draft_len_schedule",
+        help="Max drafts per batch size, BATCH:K pairs, e.g. 1:4,4:2,16:0 (from that many requests in flight on)."),
+    spec_decode_acceptance_window: int = typer.Option(
+        0, "--spec_decode_acceptance_window",
+        help="A request whose AL over its last N drafting steps is below the threshold pauses drafting for N steps (0 = off)."),
+    spec_decode_acceptance_length_threshold: float = typer.Option(
+        0.0, "--spec_decode_acceptance_length_threshold", help="The AL threshold of --spec_decode_acceptance_window."),
     temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy (TensorRT-LLM: unset = greedy)."),
     top_k: int = typer.Option(0, "--top_k", help="Sample from the top-k tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top_p", help="Nucleus sampling mass (1 = off)."),

@@ -18,6 +18,7 @@ from cli.bench import (DTYPE, EXTRA_OPTIONS, KV_FRACTION, LOG_LEVEL, MAX_NUM_TOK
 from cli.common import run_or_exit, setup_logging
 
 DEFAULT_PLOT = Path("mtp_sweep.png")
+DEFAULT_CONFIDENCE = 0.3   # derived from measured step costs and the MTP head's calibration: README, "Adaptive draft length"
 
 
 def sweep_command(
@@ -34,6 +35,18 @@ def sweep_command(
     relaxed_topk: int = typer.Option(10, "--relaxed_topk", help="Relaxed acceptance: candidates from the top-k."),
     relaxed_delta: float = typer.Option(0.6, "--relaxed_delta", help="Relaxed acceptance: probability margin."),
     relaxed_mode: str = typer.Option("auto", "--relaxed_mode", help="auto | eagle | vanilla."),
+    adaptive_nextn: Optional[int] = typer.Option(
+        None, "--adaptive_nextn",
+        help="Max K of the `eagle adaptive` / `vanilla adaptive` rows (default: --max_nextn; 0 = none)."),
+    adaptive_confidence: str = typer.Option(
+        str(DEFAULT_CONFIDENCE), "--adaptive_confidence",
+        help="Adaptive rows: draft_confidence_threshold, or several comma-separated (one row each per mode); "
+             "default: the value README derives for this engine."),
+    adaptive_schedule: Optional[str] = typer.Option(None, "--adaptive_schedule",
+                                                    help="Adaptive rows: draft_len_schedule, e.g. 1:4,4:2,16:0."),
+    adaptive_window: int = typer.Option(0, "--adaptive_window", help="Adaptive rows: acceptance_window (0 = off)."),
+    adaptive_window_threshold: float = typer.Option(0.0, "--adaptive_window_threshold",
+                                                    help="Adaptive rows: acceptance_length_threshold."),
     concurrency: int = typer.Option(1, "--concurrency", help="Requests in flight (1 = min-latency mode)."),
     warmup: int = typer.Option(1, "--warmup", help="Requests run before measuring each setting."),
     ignore_eos: bool = typer.Option(True, "--ignore_eos/--no_ignore_eos", help="Emit exactly output_tokens."),
@@ -101,8 +114,23 @@ def sweep_command(
         del llm.engine
         base = sw.setting_config(cfg, sw.Setting("none", 0))
         mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+        from mtp_core.speculative.adaptive import parse_schedule
+        try:
+            confidences = [float(c) for c in adaptive_confidence.split(",") if c.strip()]
+        except ValueError:
+            raise ValueError(f"--adaptive_confidence takes numbers in [0, 1), comma-separated; got "
+                             f"{adaptive_confidence!r}") from None
+        if not confidences or not all(0 <= c < 1 for c in confidences):
+            raise ValueError(f"--adaptive_confidence must be in [0, 1), got {adaptive_confidence}")
+        schedule = parse_schedule(adaptive_schedule, "--adaptive_schedule") if adaptive_schedule else None
         settings = sw.sweep_settings(model.num_mtp_modules, max_nextn, mode_list,
                                      relaxed_nextn, relaxed_topk, relaxed_delta, relaxed_mode)
+        for c in confidences:
+            settings += sw.sweep_settings(model.num_mtp_modules, 0, mode_list, 0,
+                                          adaptive_nextn=max_nextn if adaptive_nextn is None else adaptive_nextn,
+                                          adaptive_confidence=c, adaptive_schedule=schedule,
+                                          adaptive_window=adaptive_window,
+                                          adaptive_window_threshold=adaptive_window_threshold)[1:]
         prompts = [encode_request(tok, r) for r in requests]
         outs = [r.output_tokens for r in requests]
         ds = dataset_info(str(dataset) if dataset else f"<held-out task prompts: {task_set}>", in_file, prompts, outs,

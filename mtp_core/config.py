@@ -219,6 +219,11 @@ class SpeculativeConfig:
     relaxed_delta: float = 0.0
     use_mtp_vanilla: bool = False
     mtp_mode: str = "auto"                     # auto | eagle | vanilla
+    # adaptive draft length (mtp_core/speculative/adaptive.py); the defaults draft K every step
+    draft_confidence_threshold: float = 0.0    # stop a chain when the product of draft probabilities < this
+    draft_len_schedule: Optional[dict] = None  # {batch size: max drafts}, e.g. {1: 4, 4: 2, 16: 0}
+    acceptance_window: int = 0                 # steps in a request's window (0 = off)
+    acceptance_length_threshold: float = 0.0   # window AL below this: the request pauses drafting
 
     @property
     def max_draft_len(self) -> int:
@@ -245,6 +250,13 @@ class SpeculativeConfig:
         if self.mtp_mode not in MTP_MODES:
             raise ValueError(f"speculative_config.mtp_mode must be one of {', '.join(MTP_MODES)}, "
                              f"got {self.mtp_mode!r}")
+        from mtp_core.speculative.adaptive import validate_adaptive
+        validate_adaptive(self)
+
+    @property
+    def adaptive(self) -> bool:
+        """Any adaptive draft-length option on (the number of drafts may then differ per row and step)."""
+        return bool(self.draft_confidence_threshold or self.draft_len_schedule or self.acceptance_window)
 
 
 @dataclass

@@ -32,7 +32,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Leaf:
-    kind: str                                     # bool | int | float | str | ints (list of int)
+    kind: str                                     # bool | int | float | str | ints (list of int) | intmap
     allowed: str = ""                             # what is allowed, for messages and docs
     ok: Callable[[Any], bool] = lambda v: True    # range check on the normalized value
     nullable: bool = False
@@ -92,6 +92,14 @@ SCHEMA: dict[str, Leaf | Section] = {
         "relaxed_delta": Leaf("float", ">= 0", lambda v: v >= 0, flags=("relaxed_delta",)),
         "use_mtp_vanilla": _bool("use_mtp_vanilla"),
         "mtp_mode": _choice(MTP_MODES, str.lower, "mtp_mode"),
+        # adaptive draft length (mtp_core/speculative/adaptive.py)
+        "draft_confidence_threshold": Leaf("float", "in [0, 1); 0 = off", lambda v: 0 <= v < 1,
+                                           flags=("spec_decode_draft_confidence",)),
+        "draft_len_schedule": Leaf("intmap", "a mapping of batch size >= 1 to max drafts >= 0, e.g. {1: 4, 4: 2, 16: 0}",
+                                   nullable=True, flags=("spec_decode_draft_len_schedule",)),
+        "acceptance_window": _int(0, "spec_decode_acceptance_window"),
+        "acceptance_length_threshold": Leaf("float", ">= 0", lambda v: v >= 0,
+                                            flags=("spec_decode_acceptance_length_threshold",)),
     }, nullable=True),
     "enable_chunked_prefill": _bool("enable_chunked_prefill"),
     "max_batch_size": _int(1, "max_batch_size"),
@@ -127,7 +135,7 @@ _OLD: dict[str, tuple[tuple[str, ...], str, Callable[[Any], Any] | None]] = {
 _OLD_FLAT = tuple(k for k in _OLD if k not in SCHEMA)  # also accepted at the top level (0.20/0.21)
 
 _KIND_TEXT = {"bool": "true or false", "int": "an integer", "float": "a number", "str": "a string",
-              "ints": "a list of integers"}
+              "ints": "a list of integers", "intmap": "a mapping"}
 
 Assign = tuple[str, Any, Any]   # (key path as written, raw YAML value, normalized value)
 
@@ -203,7 +211,8 @@ def _is_kind(kind: str, v: Any) -> bool:
     is_int = isinstance(v, int) and not isinstance(v, bool)
     return {"bool": isinstance(v, bool), "int": is_int, "str": isinstance(v, str),
             "float": is_int or (isinstance(v, float) and math.isfinite(v)),
-            "ints": isinstance(v, list) and bool(v) and all(_is_kind("int", x) for x in v)}[kind]
+            "ints": isinstance(v, list) and bool(v) and all(_is_kind("int", x) for x in v),
+            "intmap": isinstance(v, dict)}[kind]
 
 
 def _check_leaf(leaf: Leaf, raw: Any, path: str) -> Any:
@@ -220,6 +229,12 @@ def _check_leaf(leaf: Leaf, raw: Any, path: str) -> Any:
             hint = "; it must be finite"
         raise ConfigError(f"{path}: expected {_KIND_TEXT[leaf.kind]}{allowed}, got {_describe(raw)}{hint}",
                           path)
+    if leaf.kind == "intmap":
+        from .speculative.adaptive import parse_schedule
+        try:
+            return parse_schedule(raw, path)
+        except ValueError as e:
+            raise ConfigError(str(e), path) from None
     value = [int(x) for x in raw] if leaf.kind == "ints" else leaf.norm(raw)
     value = float(value) if leaf.kind == "float" else value
     if leaf.kind == "ints" and min(value) < 1 or leaf.kind != "ints" and not leaf.ok(value):

@@ -223,6 +223,23 @@ def test_bench_cli(tmp_path: Path, tiny3_dir: Path, dataset: Path, concurrency: 
     else:
         assert d["num_decoding_steps"] == 24 and d["num_draft_tokens"] == 0
     assert (rep["streaming_metrics"]["itl_percentiles"] is not None) == ("--streaming" in extra)
+    if K:
+        assert d["drafts_per_step_histogram"] == [0] * K + [d["spec_decode_num_drafts"]]     # fixed K: always K
+        assert d["waste_verified_per_accepted"] == pytest.approx(d["num_draft_tokens"] / d["num_accepted_draft_tokens"])
+
+
+def test_bench_cli_adaptive_statistics(tmp_path: Path, tiny3_dir: Path, dataset: Path) -> None:
+    """A schedule that allows 1 draft at batch 1 and none from 2 requests on, through --report_json."""
+    report_path = tmp_path / "report.json"
+    r = mtp("bench", "--model_dir", tiny3_dir, "--dataset", dataset, "--num_requests", 3, "--concurrency", 2,
+            "--warmup", 0, "--num_threads", 1, "--report_json", report_path, "--spec_decode_algo", "MTP",
+            "--spec_decode_nextn", "2", "--mtp_mode", "eagle", "--spec_decode_draft_len_schedule", "1:1,2:0")
+    assert r.exit_code == 0, r.stderr
+    d = json.loads(report_path.read_text())["decoding_stats"]
+    hist, limits = d["drafts_per_step_histogram"], d["draft_limit_histogram"]
+    assert len(hist) <= 2 and hist[0] > 0 and sum(hist) == d["num_decoding_steps"] - 3
+    assert limits[0] > 0 and len(limits) == 2 and d["mode"] == "MTP-eagle-adaptive"
+    assert "Drafts per decode step (0..K)" in r.stdout
 
 
 def test_bench_cli_errors(tmp_path: Path, tiny3_dir: Path, dataset: Path) -> None:
@@ -257,8 +274,14 @@ def test_sweep_cli(tmp_path: Path, tiny3_dir: Path) -> None:
     assert r.exit_code == 0, r.stderr
     rep = json.loads(report_path.read_text())
     rows = rep["settings"]
+    from cli.sweep import DEFAULT_CONFIDENCE
+    c = f"c={DEFAULT_CONFIDENCE:g}"
     assert [x["label"] for x in rows] == ["nextn=0", "eagle K=1", "eagle K=2", "vanilla K=1", "vanilla K=2",
-                                          "vanilla K=2 relaxed(top10,d0.6)"]
+                                          "vanilla K=2 relaxed(top10,d0.6)", f"eagle adaptive (K<=2 {c})",
+                                          f"vanilla adaptive (K<=2 {c})"]
+    adaptive = rows[-1]["decoding_stats"]
+    assert sum(adaptive["drafts_per_step_histogram"]) == adaptive["num_decoding_steps"] - 2   # minus the prefills
+    assert rows[-1]["mean_drafts_per_step"] <= 2
     for x in rows:
         assert x["label"] in r.stdout
         assert x["speedup"] == pytest.approx(x["tokens_per_s_user"] / rows[0]["tokens_per_s_user"])

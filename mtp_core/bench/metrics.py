@@ -182,6 +182,12 @@ def summarize_decoding(records: list[RequestRecord], max_draft_len: int, mode: s
         "spec_decode_num_accepted_tokens_per_pos": list(s.accepted_per_position),
         "spec_decode_acceptance_length": 1.0 + s.num_draft_accepted / num_drafts if num_drafts else 1.0,
         "spec_decode_draft_acceptance_rate": s.draft_acceptance_rate,
+        # adaptive draft length (histograms indexed by a number of drafts, 0..K)
+        "drafts_per_step_histogram": list(s.drafts_per_step),
+        "mean_drafts_per_step": s.mean_drafts_per_step,
+        "draft_limit_histogram": list(s.draft_limit_per_step),
+        "waste_verified_per_accepted": s.waste if s.num_draft_accepted else None,
+        "num_window_pauses": s.num_window_pauses,
     }
 
 

@@ -24,13 +24,18 @@ def plot_sweep(rows: list[dict], path: str | Path, title: str = "") -> Path:
     modes = sorted({r["mode"] for r in rows if r["K"] > 0 and not r["relaxed"]})
     base = [r for r in rows if r["K"] == 0]
     for mode in modes:
-        pts = base + sorted((r for r in rows if r["mode"] == mode and not r["relaxed"]), key=lambda r: r["K"])
+        pts = base + sorted((r for r in rows if r["mode"] == mode and not r["relaxed"] and not r.get("adaptive")),
+                            key=lambda r: r["K"])
         ax_al.plot([r["K"] for r in pts], [r["acceptance_length"] for r in pts], marker="o", label=mode)
         ax_sp.plot([r["K"] for r in pts], [r["speedup"] for r in pts], marker="o", label=mode)
     for r in rows:
         if r["relaxed"]:
             ax_al.scatter([r["K"]], [r["acceptance_length"]], marker="*", s=140, color="C3", label=r["label"])
             ax_sp.scatter([r["K"]], [r["speedup"]], marker="*", s=140, color="C3", label=r["label"])
+        elif r.get("adaptive"):     # drawn at its mean drafts per step
+            x = r.get("mean_drafts_per_step") or r["K"]
+            ax_al.scatter([x], [r["acceptance_length"]], marker="D", s=60, label=r["label"])
+            ax_sp.scatter([x], [r["speedup"]], marker="D", s=60, label=r["label"])
     ax_al.set(xlabel="draft tokens K (nextn)", ylabel="acceptance length (tokens/step)", title="Acceptance length")
     ax_sp.set(xlabel="draft tokens K (nextn)", ylabel="speed-up over nextn=0 (tokens/s/user)", title="Speed-up")
     from matplotlib.ticker import MaxNLocator

@@ -67,6 +67,8 @@ def mode_name(cfg: LLMConfig, num_modules: int) -> str:
     name = f"MTP-{spec.resolved_mode(num_modules)}"
     if spec.use_relaxed_acceptance_for_thinking:
         name += f"-relaxed(top{spec.relaxed_topk},delta{spec.relaxed_delta:g})"
+    if spec.adaptive:
+        name += "-adaptive"
     return name
 
 
@@ -85,7 +87,10 @@ def engine_info(cfg: LLMConfig, model: Any) -> dict:
             "decoding_type": spec.decoding_type, "max_draft_len": spec.max_draft_len,
             "mtp_mode": spec.resolved_mode(model.num_mtp_modules),
             "use_relaxed_acceptance_for_thinking": spec.use_relaxed_acceptance_for_thinking,
-            "relaxed_topk": spec.relaxed_topk, "relaxed_delta": spec.relaxed_delta},
+            "relaxed_topk": spec.relaxed_topk, "relaxed_delta": spec.relaxed_delta,
+            "draft_confidence_threshold": spec.draft_confidence_threshold,
+            "draft_len_schedule": spec.draft_len_schedule, "acceptance_window": spec.acceptance_window,
+            "acceptance_length_threshold": spec.acceptance_length_threshold},
     }
 
 
@@ -185,7 +190,15 @@ def format_report(r: dict) -> str:
         ("Max draft length (K)", d["max_draft_len"]), ("Decoding steps", d["num_decoding_steps"]),
         ("Drafts proposed", d["num_draft_tokens"]), ("Drafts accepted", d["num_accepted_draft_tokens"]),
         ("Draft acceptance rate", d["draft_acceptance_rate"]), ("Acceptance length (AL)", d["acceptance_length"]),
-        ("Acceptance per draft position", f"[{per_pos}]"), *_breakdown("AL", d["acceptance_length_percentiles"])]))
+        ("Acceptance per draft position", f"[{per_pos}]"),
+        ("Accepted / proposed per position", "[" + ", ".join(
+            f"{a}/{n}" for a, n in zip(d["accepted_per_position"], d["proposed_per_position"])) + "]"),
+        ("Drafts per decode step (0..K)", d["drafts_per_step_histogram"]),
+        ("Mean drafts per decode step", d["mean_drafts_per_step"]),
+        ("Draft limit per step (0..K)", d["draft_limit_histogram"]),
+        ("Waste (verified / accepted)", d["waste_verified_per_accepted"]),
+        ("Acceptance-window pauses", d["num_window_pauses"]),
+        *_breakdown("AL", d["acceptance_length_percentiles"])]))
     if r.get("prefix_cache"):
         pc = r["prefix_cache"]
         out.append(_section("PREFIX CACHE (KV block reuse)", [

@@ -23,11 +23,22 @@ class Setting:
     relaxed: bool = False
     relaxed_topk: int = 1
     relaxed_delta: float = 0.0
+    # adaptive draft length (rows `eagle adaptive` / `vanilla adaptive`; K is then the maximum)
+    adaptive: bool = False
+    confidence: float = 0.0
+    schedule: Optional[tuple[tuple[int, int], ...]] = None
+    window: int = 0
+    window_threshold: float = 0.0
 
     @property
     def label(self) -> str:
         if self.K == 0:
             return "nextn=0"
+        if self.adaptive:
+            parts = [f"K<={self.K}"] + ([f"c={self.confidence:g}"] if self.confidence else []) \
+                + ([f"sched={','.join(f'{b}:{k}' for b, k in self.schedule)}"] if self.schedule else []) \
+                + ([f"win={self.window}@{self.window_threshold:g}"] if self.window else [])
+            return f"{self.mode} adaptive ({' '.join(parts)})"
         if self.relaxed:
             return f"{self.mode} K={self.K} relaxed(top{self.relaxed_topk},d{self.relaxed_delta:g})"
         return f"{self.mode} K={self.K}"
@@ -35,7 +46,9 @@ class Setting:
 
 def sweep_settings(num_modules: int, max_nextn: int = 5, modes: tuple[str, ...] = ("eagle", "vanilla"),
                    relaxed_nextn: int = 3, relaxed_topk: int = 10, relaxed_delta: float = 0.6,
-                   relaxed_mode: str = "auto") -> list[Setting]:
+                   relaxed_mode: str = "auto", adaptive_nextn: int = 0, adaptive_confidence: float = 0.0,
+                   adaptive_schedule: Optional[dict[int, int]] = None, adaptive_window: int = 0,
+                   adaptive_window_threshold: float = 0.0) -> list[Setting]:
     """nextn=0; Eagle K=1..max_nextn; Vanilla K=1..min(max_nextn, modules) (skipped with one module, where
     it is Eagle K=1); one relaxed setting at K=relaxed_nextn (0 = none)."""
     if max_nextn < 0 or relaxed_nextn < 0:
@@ -59,13 +72,28 @@ def sweep_settings(num_modules: int, max_nextn: int = 5, modes: tuple[str, ...] 
             raise ValueError(f"relaxed Vanilla at K={k} needs {k} MTP modules, the checkpoint has {num_modules}; "
                              "lower --relaxed_nextn or use --relaxed_mode eagle")
         out.append(Setting(mode, k, True, relaxed_topk, relaxed_delta))
+    if adaptive_nextn < 0:
+        raise ValueError("--adaptive_nextn must be >= 0")
+    sched = tuple(sorted(adaptive_schedule.items())) if adaptive_schedule else None
+    for mode in modes if adaptive_nextn else ():
+        k = min(adaptive_nextn, num_modules) if mode == "vanilla" else adaptive_nextn
+        if mode == "vanilla" and num_modules < 2:
+            continue
+        if sched:
+            sched_k = tuple((b, min(v, k)) for b, v in sched)
+        else:
+            sched_k = None
+        out.append(Setting(mode, k, adaptive=True, confidence=adaptive_confidence, schedule=sched_k,
+                           window=adaptive_window, window_threshold=adaptive_window_threshold))
     return out
 
 
 def setting_config(base: LLMConfig, s: Setting) -> LLMConfig:
     spec = None if s.K == 0 else SpeculativeConfig(
         num_nextn_predict_layers=s.K, mtp_mode=s.mode, use_relaxed_acceptance_for_thinking=s.relaxed,
-        relaxed_topk=s.relaxed_topk, relaxed_delta=s.relaxed_delta)
+        relaxed_topk=s.relaxed_topk, relaxed_delta=s.relaxed_delta, draft_confidence_threshold=s.confidence,
+        draft_len_schedule=dict(s.schedule) if s.schedule else None, acceptance_window=s.window,
+        acceptance_length_threshold=s.window_threshold)
     cfg = replace(base, speculative_config=spec)
     cfg.validate()
     return cfg
@@ -123,7 +151,9 @@ def summary_row(s: Setting, records: list[RequestRecord]) -> dict:
     info, perf = summarize_performance(records)
     dec = summarize_decoding(records, s.K, s.label)
     return {
-        "label": s.label, "mode": s.mode, "K": s.K, "relaxed": s.relaxed,
+        "label": s.label, "mode": s.mode, "K": s.K, "relaxed": s.relaxed, "adaptive": s.adaptive,
+        "mean_drafts_per_step": dec["mean_drafts_per_step"], "drafts_per_step_histogram": dec["drafts_per_step_histogram"],
+        "waste_verified_per_accepted": dec["waste_verified_per_accepted"],
         "acceptance_length": dec["acceptance_length"], "draft_acceptance_rate": dec["draft_acceptance_rate"],
         "acceptance_per_position": dec["acceptance_per_position"],
         "tokens_per_s_user": perf["per_user_output_throughput_tps"],
@@ -154,19 +184,22 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 
 def best_lossless(rows: list[dict]) -> dict:
     """The fastest strict-acceptance MTP row (nextn=0 when there is none)."""
-    mtp = [r for r in rows if r["K"] > 0 and not r["relaxed"]]
+    mtp = [r for r in rows if r["K"] > 0 and not r["relaxed"] and not r.get("adaptive")]
     return max(mtp, key=lambda r: r["speedup"]) if mtp else rows[0]
 
 
 def format_table(rows: list[dict], peers: Optional[list[dict]] = None) -> str:
     roof = any(r.get("floor_step_ms") is not None for r in rows)
     head = f"{'setting':<34}{'mode':<9}{'K':>3}{'AL':>8}{'accept':>8}{'tok/s/user':>12}{'speedup':>9}{'effic.':>8}"
+    head += f"{'drafts':>8}{'waste':>7}"
     head += f"{'floor ms':>10}{'step ms':>9}{'floor/step':>11}{'ideal':>8}{'sp/ideal':>9}" if roof else ""
     lines = [head, "-" * len(head)]
     for r in rows:
         line = (f"{r['label']:<34}{r['mode']:<9}{r['K']:>3}{r['acceptance_length']:>8.3f}"
                 f"{r['draft_acceptance_rate']:>8.3f}{r['tokens_per_s_user']:>12.2f}{r['speedup']:>8.2f}x"
                 f"{(r['engine_efficiency'] or 0):>8.3f}")
+        line += f"{r.get('mean_drafts_per_step') or 0:>8.2f}" + (
+            f"{r['waste_verified_per_accepted']:>7.2f}" if r.get("waste_verified_per_accepted") else f"{'-':>7}")
         if roof:
             line += (f"{r.get('floor_step_ms') or 0:>10.3f}{r['measured_step_ms']:>9.3f}"
                      f"{r.get('floor_over_measured') or 0:>11.3f}{r.get('ideal_speedup') or 0:>7.2f}x"

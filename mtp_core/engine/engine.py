@@ -35,6 +35,7 @@ from mtp_core.kv_cache.mla_cache import allocate_caches, plan_num_blocks
 from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.sampling import SamplingParams
+from mtp_core.speculative.adaptive import MAX_MTP_LAG, DraftPolicy
 from mtp_core.speculative.drafter import DraftInput, Drafter, EagleDrafter, VanillaDrafter
 from mtp_core.speculative.stats import SpecStats
 from mtp_core.speculative.verifier import VerifyResult, verify
@@ -71,8 +72,9 @@ class Engine:
         self.pool_tokens = num_blocks * kv.tokens_per_block
         self.blocks = BlockManager(num_blocks, kv.tokens_per_block, enable_reuse=kv.enable_block_reuse)
         self.blocks.copy_block = self._copy_block
+        self.policy = DraftPolicy.from_spec(spec, cfg.max_batch_size)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, self.K + 1), self.K,
-                                   cfg.enable_chunked_prefill)
+                                   cfg.enable_chunked_prefill, policy=self.policy)
         self.runner = ModelRunner(model, self.caches, kv.tokens_per_block, device)
         self.drafter = drafter if drafter is not None else self._make_drafter()
         mode = spec.resolved_mode(model.num_mtp_modules) if self.K and model.num_mtp_modules else None
@@ -97,14 +99,16 @@ class Engine:
         mode = spec.resolved_mode(n)
         cls = VanillaDrafter if mode == "vanilla" else EagleDrafter
         log.info("MTP %s drafting, max_draft_len=%d, %d module(s) in the checkpoint", mode, self.K, n)
-        return cls(self.model, self.caches, self.blocks.tokens_per_block, self.K)
+        return cls(self.model, self.caches, self.blocks.tokens_per_block, self.K,
+                   confidence_threshold=spec.draft_confidence_threshold)
 
     def _make_graphs(self) -> Optional[GraphRunner]:
         """The static (CUDA-graph) decode step for each batch size of cuda_graph_config; None, with a log
         line, when this model or drafting mode cannot run it (every step then runs eagerly)."""
         cg, spec = self.cfg.cuda_graph_config, self.cfg.speculative_config
         mode = spec.resolved_mode(self.model.num_mtp_modules) if spec else None
-        why = static_step_unsupported(self.model, mode, self.K)
+        why = static_step_unsupported(self.model, mode, self.K,
+                                      spec.draft_confidence_threshold if spec else 0.0)
         if why is not None:
             log.warning("CUDA graphs off: %s", why)
             return None
@@ -163,6 +167,11 @@ class Engine:
                 result = VerifyResult(tokens)
                 inputs = self._commit(rows, result, None)
                 drafts_of = {id(r.seq): d for r, d in zip(rows, drafts)}
+                for i in inputs:                 # the static step drafted K for every row; apply the limits
+                    i.seq.mtp_valid, limit = i.seq.num_cached, self._row_limit(i.seq)
+                    drafts_of[id(i.seq)] = drafts_of[id(i.seq)][:limit]
+                    self.stats.record_limit(limit)
+                    i.seq.stats.record_limit(limit)
                 self._store_drafts(inputs, [drafts_of[id(i.seq)] for i in inputs], rewind=True)
                 self.graphs.num_replays += 1
                 return self._finish_step(rows, result, t0)
@@ -172,15 +181,22 @@ class Engine:
             if self.overlap and any(i.needs_drafts for i in inputs):
                 future = self._executor.submit(self._prepare_ahead)   # step N+1's host work ...
                 try:
-                    drafts = self.drafter.propose(inputs)             # ... while step N's drafts compute
+                    drafts = self._propose(inputs)                    # ... while step N's drafts compute
                 finally:
                     self._prepared = future.result()
                 self._store_drafts(inputs, drafts, rewind=self._prepared is None)
-                for row in self._prepared[0] if self._prepared else []:
-                    if not row.is_prefill:
-                        row.token_ids = [row.seq.all_ids[-1], *row.seq.drafts]
+                if self._prepared:
+                    prepared, ragged = self._prepared[0], False
+                    for row in prepared:
+                        if not row.is_prefill:
+                            # the worker reserved slots for as many drafts as the row's limit allowed then
+                            d = row.seq.drafts[:len(row.token_ids) - 1]
+                            ragged |= len(d) != len(row.token_ids) - 1
+                            row.token_ids = [row.seq.all_ids[-1], *d]
+                    if ragged:     # fewer drafts than the placeholders: positions and slots change
+                        self._prepared = (prepared, self.runner.prepare(prepared))
             else:
-                drafts = self.drafter.propose(inputs) if self.drafter else [[] for _ in inputs]
+                drafts = self._propose(inputs) if self.drafter else [[] for _ in inputs]
                 self._store_drafts(inputs, drafts, rewind=True)
         except BaseException:
             # leave no half-done step behind: every sequence of this step is finished with "abort"
@@ -209,15 +225,17 @@ class Engine:
         """The overlap worker's schedule: never preempts a sequence that is being drafted right now (the
         step is then scheduled normally once drafting is done)."""
         try:
-            rows = self.scheduler.schedule(allow_preempt=False)
+            rows = self.scheduler.schedule(allow_preempt=False, placeholder=True)
         except PreemptionNeeded:
             return None
         return rows, (self.runner.prepare(rows) if rows else None)
 
     def _verify(self, rows: list[ScheduledRow], out: TargetOutput) -> VerifyResult:
         tokens: list[list[int]] = [[] for _ in rows]
+        # rows may carry different numbers of drafts (adaptive draft length): one verify call per count
+        counts = sorted({len(r.token_ids) for r in rows if not r.is_prefill})
         for group in (
-            [i for i, r in enumerate(rows) if not r.is_prefill],
+            *([i for i, r in enumerate(rows) if not r.is_prefill and len(r.token_ids) == n] for n in counts),
             [i for i, r in enumerate(rows) if r.is_final_chunk],
         ):
             if not group:
@@ -247,6 +265,12 @@ class Engine:
                 proposed = len(r.token_ids) - 1 if not r.is_prefill else 0
                 seq.stats.record_step(n_emitted, proposed, len(emitted) - 1)
                 self.stats.record_step(n_emitted, proposed, len(emitted) - 1)
+                if not r.is_prefill and self.drafter is not None:
+                    seq.stats.record_decode(proposed)
+                    self.stats.record_decode(proposed)
+                    pauses = seq.num_pauses
+                    self.policy.observe(seq, proposed, len(emitted) - 1, seq.stats)
+                    self.stats.num_window_pauses += seq.num_pauses - pauses
                 if seq.first_token_time is None:
                     seq.first_token_time = now
             valid = r.start + (len(r.token_ids) if r.is_prefill else len(emitted))
@@ -259,6 +283,47 @@ class Engine:
                                      hidden[:n_new] if hidden is not None else None,
                                      needs_drafts=not (r.is_prefill and not r.is_final_chunk)))
         return inputs
+
+    def _row_limit(self, seq: Sequence) -> int:
+        return self.policy.row_limit(seq, self.policy.in_flight(len(self.scheduler.running),
+                                                                len(self.scheduler.waiting)))
+
+    def _propose(self, inputs: list[DraftInput]) -> list[list[int]]:
+        """Runs the drafter on the rows that draft this step. A decode row whose limit is 0 (schedule, paused
+        window) or whose drafting is off skips it: its hidden states wait in seq.mtp_pending, so that the
+        next drafting step brings its MTP caches up to date (see speculative/adaptive.py)."""
+        drafts: list[list[int]] = [[] for _ in inputs]
+        run: list[int] = []
+        for n, inp in enumerate(inputs):
+            seq = inp.seq
+            if seq.spec_off:
+                continue
+            limit = self._row_limit(seq) if inp.needs_drafts else 0
+            if inp.needs_drafts:
+                self.stats.record_limit(limit)
+                seq.stats.record_limit(limit)
+            is_decode = inp.start + len(inp.next_tokens) > seq.prefill_target   # past its prefill
+            if limit == 0 and is_decode:
+                if seq.mtp_pending is None:
+                    seq.mtp_pending = []
+                seq.mtp_pending.append(inp.hidden.clone())    # (a view would keep the whole step's states)
+                if inp.start + len(inp.next_tokens) - seq.mtp_valid > MAX_MTP_LAG:
+                    seq.spec_off, seq.mtp_pending = True, None    # bounded memory: no more drafting
+                continue
+            if seq.mtp_pending and seq.mtp_valid < inp.start:
+                # the MTP caches lag (drafting skipped in earlier steps): cover the missing positions too
+                V = inp.start + len(inp.next_tokens)
+                inp.hidden = torch.cat([*seq.mtp_pending, inp.hidden])
+                inp.start, inp.next_tokens = seq.mtp_valid, seq.all_ids[seq.mtp_valid + 1: V + 1]
+            inp.max_drafts = limit
+            run.append(n)
+        if run:
+            out = self.drafter.propose([inputs[n] for n in run])
+            for n, d in zip(run, out):
+                drafts[n] = d
+                seq = inputs[n].seq
+                seq.mtp_valid, seq.mtp_pending = inputs[n].start + len(inputs[n].next_tokens), None
+        return drafts
 
     def _append(self, seq: Sequence, emitted: list[int]) -> int:
         """Appends tokens one by one, stopping at EOS / stop ids / max_tokens / max_seq_len."""

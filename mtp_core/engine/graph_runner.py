@@ -20,6 +20,11 @@ reserved scratch block. On a CPU the same function runs eagerly over the same bu
 CPU tests check against the regular step); on CUDA it is captured once and replayed.
 Out of scope (the step then runs eagerly): prefill rows, sampled rows (temperature > 0), MTP Vanilla,
 and models whose MoE layers cannot run without a host sync (large experts: see MoE.fuse_for_decode).
+Adaptive draft length: a batch whose rows do not all carry K drafts (ragged rows, a batch-size schedule
+or paused window below K) or that holds a row whose MTP caches lag (it skipped drafting) runs eagerly,
+step by step; the static step drafts K for every row and the engine cuts them to each row's limit.
+Confidence-gated drafting turns the static step off altogether (its chain would need a data-dependent
+length).
 """
 from __future__ import annotations
 
@@ -45,10 +50,13 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
     return sizes + [max_batch_size]
 
 
-def static_step_unsupported(model: DeepseekV3ForCausalLM, mode: Optional[str], K: int) -> Optional[str]:
+def static_step_unsupported(model: DeepseekV3ForCausalLM, mode: Optional[str], K: int,
+                            confidence_threshold: float = 0.0) -> Optional[str]:
     """Why this model / drafting mode cannot run the static step (None when it can)."""
     if K and mode != "eagle":
         return "the static step drafts in MTP Eagle mode only (Vanilla runs eagerly)"
+    if K and confidence_threshold > 0:
+        return "confidence-gated drafting (draft_confidence_threshold > 0) stops chains per row; it runs eagerly"
     for i, layer in enumerate(model.model.layers[: model.num_main_layers + (1 if K else 0)]):
         mlp = layer.mlp
         if hasattr(mlp, "experts") and getattr(mlp, "stacked", None) is None:
@@ -193,7 +201,7 @@ class GraphRunner:
     def step_for(self, rows: list[ScheduledRow]) -> Optional[StaticDecodeStep]:
         """The static step that can run this batch, or None (it then runs eagerly)."""
         if not rows or any(r.is_prefill or not r.seq.params.greedy or len(r.token_ids) != self.K + 1
-                           for r in rows):
+                           or (self.K and r.seq.mtp_valid != r.start) for r in rows):
             return None
         fits = [b for b in self.steps if b >= len(rows) and (b == len(rows) or self.enable_padding)]
         return self.steps[min(fits)] if fits else None

@@ -1,9 +1,11 @@
 """In-flight batching: which rows run in the next step, with KV slots reserved for them.
 
-Every running sequence gets one row per step: its next prefill chunk, or a decode row of 1+K tokens
-([last token, d_1..d_K]). Rows are admitted up to max_batch_size sequences and max_num_tokens tokens (a
-decode row costs K+1). Before a row runs, its block table is grown to cover every slot the step may
-write: the target's K+1 positions plus the MTP chain's K-1 overshoot. When the pool runs dry the most
+Every running sequence gets one row per step: its next prefill chunk, or a decode row of 1+k tokens
+([last token, d_1..d_k]), k <= K its drafts (fewer than K under adaptive draft length: rows of one step
+may differ, and the batch-size schedule or a paused acceptance window can cut a row's drafts here).
+Rows are admitted up to max_batch_size sequences and max_num_tokens tokens (a decode row costs k+1).
+Before a row runs, its block table is grown to cover every slot the step may write: the target's k+1
+positions plus the MTP chain's K-1 overshoot. When the pool runs dry the most
 recently admitted sequence is preempted: its blocks are freed and it is later prefilled again over
 prompt + output so far (recompute), which leaves the output unchanged.
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from mtp_core.engine.sequence import Sequence, Status
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.prefix_cache import PrefixHit, ReusePolicy, extend_digests
+from mtp_core.speculative.adaptive import DraftPolicy
 
 log = logging.getLogger("mtp.scheduler")
 
@@ -43,9 +46,11 @@ class ScheduledRow:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int,
-                 enable_chunked_prefill: bool, reuse: ReusePolicy = ReusePolicy()) -> None:
+                 enable_chunked_prefill: bool, reuse: ReusePolicy = ReusePolicy(),
+                 policy: DraftPolicy | None = None) -> None:
         self.blocks = blocks
         self.reuse = reuse
+        self.policy = policy if policy is not None else DraftPolicy(num_draft_tokens)
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.K = num_draft_tokens
@@ -64,26 +69,29 @@ class Scheduler:
         return max(self.K - 1, 0)
 
     # ---- one step ------------------------------------------------------------------------
-    def schedule(self, allow_preempt: bool = True) -> list[ScheduledRow]:
+    def schedule(self, allow_preempt: bool = True, placeholder: bool = False) -> list[ScheduledRow]:
         """allow_preempt=False (the overlap scheduler's worker, while sequences are being drafted) raises
-        PreemptionNeeded instead of freeing a running sequence's blocks."""
+        PreemptionNeeded instead of freeing a running sequence's blocks. placeholder=True (the same worker):
+        decode rows carry as many placeholder drafts as their limit allows; the engine fills in the real
+        drafts (possibly fewer) once they exist."""
         rows: list[ScheduledRow] = []
         budget = self.max_num_tokens
+        in_flight = self.policy.in_flight(len(self.running), len(self.waiting))
         # decode rows first: they hold blocks already and are latency-critical
         for seq in list(self.running):
             if seq.is_prefilling or seq not in self.running:
                 continue
-            if budget < self.K + 1:
+            limit = self.policy.row_limit(seq, in_flight) if self.K else 0
+            drafts = [0] * limit if placeholder else seq.drafts[:limit]
+            if budget < len(drafts) + 1:
                 break
-            end = seq.num_cached + self.K + 1 + self.overshoot()
+            end = seq.num_cached + len(drafts) + 1 + self.overshoot()
             if not allow_preempt and not self.blocks.can_reserve(seq.block_table, end):
                 raise PreemptionNeeded()
             if not self._reserve_or_preempt(seq, end):
                 continue
-            # under the overlap scheduler the drafts are filled in once they exist (always K of them)
-            drafts = seq.drafts if len(seq.drafts) == self.K else [0] * self.K
             rows.append(ScheduledRow(seq, False, [seq.all_ids[-1], *drafts], seq.num_cached))
-            budget -= self.K + 1
+            budget -= len(drafts) + 1
         # then prefill chunks of running sequences, then new admissions (FIFO)
         candidates = [s for s in self.running if s.is_prefilling]
         num_new = 0

@@ -36,6 +36,13 @@ class Sequence:
     window_tokens: list[int] = field(default_factory=list)   # Vanilla: last K positions' tokens
     window_hidden: Optional[torch.Tensor] = None              # Vanilla: their main hidden states [<=K, H]
     stats: SpecStats = field(default_factory=SpecStats)
+    # adaptive draft length (mtp_core/speculative/adaptive.py)
+    mtp_valid: int = 0           # positions 0..mtp_valid-1 hold valid MTP-cache entries (<= num_cached)
+    mtp_pending: Optional[list[torch.Tensor]] = None   # main hidden states, positions mtp_valid..num_cached-1
+    accept_window: list[int] = field(default_factory=list)   # AL of the last decode steps that drafted
+    pause_steps: int = 0         # decode steps left without drafting (acceptance window)
+    num_pauses: int = 0
+    spec_off: bool = False       # drafting off for good (the MTP lag outgrew MAX_MTP_LAG)
     generator: Optional[torch.Generator] = None
     first_token_time: Optional[float] = None
     arrival_time: float = 0.0
@@ -62,6 +69,8 @@ class Sequence:
         self.drafts = []
         self.window_tokens = []
         self.window_hidden = None
+        self.mtp_valid = start          # a reused prefix brings its MTP-cache entries too
+        self.mtp_pending = None
 
     @property
     def is_finished(self) -> bool:

@@ -17,7 +17,7 @@ before it) and appends the chain (D1, g1) .. (D_{k-1}, g_{k-1}) at positions V .
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -33,6 +33,7 @@ class DraftInput:
     next_tokens: list[int]        # x_{q+1} for each newly valid position q
     hidden: torch.Tensor          # [n, hidden] main hidden states at those positions
     needs_drafts: bool            # False for non-final prefill chunks and finished requests
+    max_drafts: Optional[int] = None   # adaptive limit for this row (None = the drafter's K)
 
 
 class Drafter(Protocol):
@@ -58,46 +59,73 @@ class _MTPRunner:
         """[R, H] -> greedy draft token per row (drafts are always greedy)."""
         return self.model.compute_logits(out_last).argmax(-1).tolist()
 
+    def draft_with_prob(self, out_last: torch.Tensor) -> tuple[list[int], list[float]]:
+        """[R, H] -> (greedy draft per row, the MTP head's probability of it)."""
+        logits = self.model.compute_logits(out_last).float()
+        p, d = torch.softmax(logits, dim=-1).max(-1)
+        return d.tolist(), p.tolist()
+
+
+def _limit(r: DraftInput, K: int) -> int:
+    return K if r.max_drafts is None else max(0, min(r.max_drafts, K))
+
 
 class EagleDrafter:
     def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int,
-                 num_draft_tokens: int) -> None:
+                 num_draft_tokens: int, confidence_threshold: float = 0.0) -> None:
         self.runner = _MTPRunner(model, caches, tokens_per_block)
         self.num_draft_tokens = num_draft_tokens
+        self.confidence_threshold = confidence_threshold
 
     def propose(self, rows: list[DraftInput]) -> list[list[int]]:
+        """Up to K drafts per row: fewer where the row's max_drafts says so, or where the running product of
+        the drafts' probabilities falls below confidence_threshold (the chain stops before that draft);
+        rows that stop leave the remaining chain forwards."""
         drafts: list[list[int]] = [[] for _ in rows]
         if not rows:
             return drafts
+        K, thr = self.num_draft_tokens, self.confidence_threshold
         positions = [list(range(r.start, r.start + len(r.next_tokens))) for r in rows]
         out = self.runner.run(0, positions, [r.next_tokens for r in rows], torch.cat([r.hidden for r in rows]),
                               [r.seq.block_table for r in rows])
         ends = torch.tensor([len(p) for p in positions]).cumsum(0) - 1
-        active = [i for i, r in enumerate(rows) if r.needs_drafts]
+        active = [i for i, r in enumerate(rows) if r.needs_drafts and _limit(r, K) > 0]
         if not active:
             return drafts
+        limits = {i: _limit(rows[i], K) for i in active}
+        conf = {i: 1.0 for i in active}
         g = out[ends[active]]                                             # [R, H]
-        d = self.runner.draft(g)
-        for j in range(1, self.num_draft_tokens + 1):
-            for i, tok in zip(active, d):
+        for j in range(1, K + 1):
+            d, p = self.runner.draft_with_prob(g) if thr > 0 else (self.runner.draft(g), None)
+            keep: list[int] = []
+            for n, (i, tok) in enumerate(zip(active, d)):
+                if p is not None:
+                    conf[i] *= p[n]
+                    if conf[i] < thr:
+                        continue                                          # the chain of row i stops here
                 drafts[i].append(tok)
-            if j == self.num_draft_tokens:
+                if j < limits[i]:
+                    keep.append(n)
+            if not keep:
                 break
+            if len(keep) < len(active):
+                sel = torch.tensor(keep, device=g.device)
+                g, d, active = g[sel], [d[n] for n in keep], [active[n] for n in keep]
             pos = [[positions[i][-1] + j] for i in active]
             g = self.runner.run(0, pos, [[t] for t in d], g, [rows[i].seq.block_table for i in active])
-            d = self.runner.draft(g)
         return drafts
 
 
 class VanillaDrafter:
     def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int,
-                 num_draft_tokens: int) -> None:
+                 num_draft_tokens: int, confidence_threshold: float = 0.0) -> None:
         if num_draft_tokens > model.num_mtp_modules:
             raise ValueError(f"MTP Vanilla needs one module per draft token: max_draft_len={num_draft_tokens} but "
                              f"the checkpoint has {model.num_mtp_modules} MTP module(s); lower "
                              f"--spec_decode_max_draft_len or use --mtp_mode eagle")
         self.runner = _MTPRunner(model, caches, tokens_per_block)
         self.num_draft_tokens = num_draft_tokens
+        self.confidence_threshold = confidence_threshold
 
     def _window_inputs(self, r: DraftInput) -> tuple[int, list[int], torch.Tensor]:
         """Positions [s, V) covering the request's window and the newly valid positions."""
@@ -111,9 +139,15 @@ class VanillaDrafter:
         return s, tokens, hidden
 
     def propose(self, rows: list[DraftInput]) -> list[list[int]]:
+        """Module k drafts d_{k+1}. Every module runs over every row's window (each module's cache must hold
+        every valid position); a row that stopped (its max_drafts, or the confidence gate as in Eagle) just
+        takes no more drafts."""
         drafts: list[list[int]] = [[] for _ in rows]
         if not rows:
             return drafts
+        K, thr = self.num_draft_tokens, self.confidence_threshold
+        drafting = {i: _limit(r, K) for i, r in enumerate(rows) if r.needs_drafts and _limit(r, K) > 0}
+        conf = {i: 1.0 for i in drafting}
         base = [self._window_inputs(r) for r in rows]
         chain_tok: list[list[int]] = [[] for _ in rows]
         chain_hid: list[list[torch.Tensor]] = [[] for _ in rows]
@@ -126,11 +160,16 @@ class VanillaDrafter:
                 hiddens.append(torch.cat([hid, *[h[None] for h in chain_hid[i]]]) if chain_hid[i] else hid)
             out = self.runner.run(k, positions, tokens, torch.cat(hiddens), [r.seq.block_table for r in rows])
             ends = torch.tensor([len(p) for p in positions]).cumsum(0) - 1
-            active = [i for i, r in enumerate(rows) if r.needs_drafts]
+            active = [i for i in drafting if len(drafts[i]) == k and k < drafting[i]]
             if not active:
                 continue
             g = out[ends[active]]
-            for i, tok, h in zip(active, self.runner.draft(g), g):
+            d, p = self.runner.draft_with_prob(g) if thr > 0 else (self.runner.draft(g), None)
+            for n, (i, tok, h) in enumerate(zip(active, d, g)):
+                if p is not None:
+                    conf[i] *= p[n]
+                    if conf[i] < thr:
+                        continue
                 drafts[i].append(tok)
                 chain_tok[i].append(tok)
                 chain_hid[i].append(h)

@@ -12,6 +12,10 @@ class SpecStats:
     num_draft_accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)   # [K]: steps whose draft i was accepted
     proposed_per_position: list[int] = field(default_factory=list)
+    # adaptive draft length: histograms indexed by a number of drafts (0..K)
+    drafts_per_step: list[int] = field(default_factory=list)    # decode steps that verified i drafts
+    draft_limit_per_step: list[int] = field(default_factory=list)   # drafting steps whose limit was i
+    num_window_pauses: int = 0         # acceptance-window pauses
 
     def record_step(self, num_emitted: int, num_proposed: int, num_accepted: int) -> None:
         self.num_steps += 1
@@ -26,6 +30,14 @@ class SpecStats:
             self.proposed_per_position[i] += 1
             self.accepted_per_position[i] += int(i < num_accepted)
 
+    def record_decode(self, num_proposed: int) -> None:
+        """One decode step of one request that verified num_proposed drafts (0..K)."""
+        _bump(self.drafts_per_step, num_proposed)
+
+    def record_limit(self, limit: int) -> None:
+        """The limit (schedule, acceptance window; K without them) a drafting step of one request had."""
+        _bump(self.draft_limit_per_step, limit)
+
     def merge(self, other: "SpecStats") -> None:
         self.num_steps += other.num_steps
         self.num_output_tokens += other.num_output_tokens
@@ -35,6 +47,11 @@ class SpecStats:
         pad = lambda v: v + [0] * (n - len(v))  # noqa: E731
         self.proposed_per_position = [a + b for a, b in zip(pad(self.proposed_per_position), pad(other.proposed_per_position))]
         self.accepted_per_position = [a + b for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))]
+        for name in ("drafts_per_step", "draft_limit_per_step"):
+            a, b = getattr(self, name), getattr(other, name)
+            m = max(len(a), len(b))
+            setattr(self, name, [x + y for x, y in zip(a + [0] * (m - len(a)), b + [0] * (m - len(b)))])
+        self.num_window_pauses += other.num_window_pauses
 
     @property
     def acceptance_length(self) -> float:
@@ -43,6 +60,18 @@ class SpecStats:
     @property
     def draft_acceptance_rate(self) -> float:
         return self.num_draft_accepted / self.num_draft_proposed if self.num_draft_proposed else 0.0
+
+    @property
+    def waste(self) -> float:
+        """Verified drafts per accepted draft (inf when none was accepted; 0 when none was proposed)."""
+        if not self.num_draft_proposed:
+            return 0.0
+        return self.num_draft_proposed / self.num_draft_accepted if self.num_draft_accepted else float("inf")
+
+    @property
+    def mean_drafts_per_step(self) -> float:
+        n = sum(self.drafts_per_step)
+        return sum(i * c for i, c in enumerate(self.drafts_per_step)) / n if n else 0.0
 
     @property
     def acceptance_per_position(self) -> list[float]:
@@ -56,4 +85,17 @@ class SpecStats:
             f"draft acceptance rate: {self.draft_acceptance_rate:.3f}",
             f"acceptance length (AL): {self.acceptance_length:.3f}",
             f"acceptance per draft position: [{per_pos}]",
+            "accepted / proposed per draft position: ["
+            + ", ".join(f"{a}/{p}" for a, p in zip(self.accepted_per_position, self.proposed_per_position)) + "]",
+            f"drafts per decode step (histogram, 0..K): {self.drafts_per_step}, mean "
+            f"{self.mean_drafts_per_step:.3f}; draft limit per drafting step (0..K): {self.draft_limit_per_step}",
+            ("waste (verified drafts per accepted draft): "
+             + (f"{self.waste:.3f} ({self.waste - 1:.3f} rejected per accepted)" if self.num_draft_proposed else "-"))
+            + (f"; acceptance-window pauses: {self.num_window_pauses}" if self.num_window_pauses else ""),
         ]
+
+
+def _bump(hist: list[int], i: int) -> None:
+    if len(hist) <= i:
+        hist += [0] * (i + 1 - len(hist))
+    hist[i] += 1

@@ -1,0 +1,148 @@
+"""Adaptive draft length: how many drafts each request proposes in each step (0..K).
+
+Three rules, each lossless (a row verifies fewer drafts; greedy output never changes), combined by taking
+the smallest limit:
+
+1. Batch-size schedule (`draft_len_schedule`, TensorRT-LLM's name): {batch size: max drafts}. A batch of
+   n requests in flight (running + waiting, at most max_batch_size) uses the entry with the largest key
+   <= n; below the smallest key the limit is K. `{1: 4, 4: 2, 16: 0}`: 1-3 requests draft up to 4, 4-15
+   up to 2, 16 and more decode without MTP.
+2. Acceptance window (`acceptance_window` N, `acceptance_length_threshold` T): a request remembers the
+   acceptance length (1 + accepted drafts) of its last N decode steps that verified at least one draft.
+   When N such steps average below T, the request **pauses** drafting for the next N decode steps, then
+   drafts again with an empty window (it is probed again, never switched off for good: a reasoning trace
+   changes phase, e.g. from copying digits to computing them, and acceptance with it).
+3. Confidence gate (`draft_confidence_threshold` c, in the drafter): the MTP head's probability of each
+   greedy draft is known when it is proposed; the chain stops before the first draft whose running
+   product of probabilities (an estimate of the chance that every draft so far is accepted) is below c.
+   A step may then verify no draft at all. Eagle also skips the remaining chain forwards; Vanilla still
+   runs every module over the request's window (each module's cache must stay complete) but verifies
+   only the kept drafts.
+
+A row whose limit is 0 (schedule or pause) skips the drafter entirely: its MTP caches lag behind its
+valid length, and the main model's hidden states for the missing positions are kept on the sequence
+(`Sequence.mtp_pending`). When it drafts again, the drafter's first MTP forward covers every lagging
+position at once (one forward over n tokens, like a prefill chunk), so the MTP caches are again equal to
+a recompute of the accepted prefix. A lag longer than MAX_MTP_LAG positions drops the kept states and
+switches drafting off for that request for good (bounded memory).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from typing import Any, Optional
+
+MAX_MTP_LAG = 2048          # positions of main hidden states a paused request may keep
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_schedule(value: Any, what: str = "speculative_config.draft_len_schedule") -> Optional[dict[int, int]]:
+    """{batch size >= 1: max drafts >= 0} from a mapping, or from text like '1:4,4:2,16:0'; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        out: dict[Any, Any] = {}
+        for part in value.replace(" ", "").split(","):
+            if not part:
+                continue
+            k, sep, v = part.partition(":")
+            if not sep:
+                raise ValueError(f"{what}: expected BATCH:K pairs like 1:4,4:2,16:0, got {part!r}")
+            try:
+                out[int(k)] = int(v)
+            except ValueError:
+                raise ValueError(f"{what}: {part!r} is not two integers BATCH:K (e.g. 4:2)") from None
+        value = out
+    if not isinstance(value, dict) or not value:
+        raise ValueError(f"{what}: expected a non-empty mapping of batch size to max drafts, e.g. "
+                         "{1: 4, 4: 2, 16: 0}")
+    for k, v in value.items():
+        if not _is_int(k) or k < 1:
+            raise ValueError(f"{what}: batch size {k!r} must be an integer >= 1")
+        if not _is_int(v) or v < 0:
+            raise ValueError(f"{what}: the entry for batch size {k} must be an integer >= 0 drafts, got {v!r}")
+    return {int(k): int(v) for k, v in sorted(value.items())}
+
+
+def validate_adaptive(spec: Any) -> None:
+    """One-line errors for the adaptive options of a SpeculativeConfig (called by its validate())."""
+    c = spec.draft_confidence_threshold
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 <= c < 1:
+        raise ValueError(f"speculative_config.draft_confidence_threshold must be in [0, 1) (0 = off), got {c!r}")
+    sched = parse_schedule(spec.draft_len_schedule)
+    if sched is not None:
+        K = spec.num_nextn_predict_layers
+        over = next(((b, k) for b, k in sched.items() if k > K), None)
+        if over is not None:
+            raise ValueError(f"speculative_config.draft_len_schedule: {over[1]} drafts at batch size {over[0]} "
+                             f"exceed max_draft_len {K}; lower the entry or raise max_draft_len")
+        spec.draft_len_schedule = sched
+    w, t = spec.acceptance_window, spec.acceptance_length_threshold
+    if not _is_int(w) or w < 0:
+        raise ValueError(f"speculative_config.acceptance_window must be an integer >= 0 (0 = off), got {w!r}")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        raise ValueError(f"speculative_config.acceptance_length_threshold must be a number >= 0, got {t!r}")
+    if w and not t:
+        raise ValueError("speculative_config.acceptance_window is set but acceptance_length_threshold is 0, so it "
+                         "would never pause a request; set acceptance_length_threshold (e.g. 1.5)")
+    if t and not w:
+        raise ValueError("speculative_config.acceptance_length_threshold needs acceptance_window >= 1 (the number "
+                         "of steps it averages over)")
+
+
+class DraftPolicy:
+    """The per-row draft limit of rules 1 and 2 (rule 3 lives in the drafters)."""
+
+    def __init__(self, K: int, schedule: Optional[dict[int, int]] = None, window: int = 0,
+                 al_threshold: float = 0.0, max_batch_size: int = 1 << 30) -> None:
+        self.K = K
+        self.schedule = dict(sorted((schedule or {}).items()))
+        self._keys = list(self.schedule)
+        self.window, self.al_threshold = window, al_threshold
+        self.max_batch_size = max_batch_size
+
+    @classmethod
+    def from_spec(cls, spec: Any, max_batch_size: int) -> "DraftPolicy":
+        if spec is None:
+            return cls(0)
+        return cls(spec.max_draft_len, parse_schedule(spec.draft_len_schedule), spec.acceptance_window,
+                   spec.acceptance_length_threshold, max_batch_size)
+
+    def batch_limit(self, batch_size: int) -> int:
+        """Rule 1: the schedule's limit for this many requests in flight (K without a schedule)."""
+        if not self._keys:
+            return self.K
+        i = bisect.bisect_right(self._keys, batch_size) - 1
+        return self.K if i < 0 else min(self.K, self.schedule[self._keys[i]])
+
+    def in_flight(self, num_running: int, num_waiting: int) -> int:
+        return min(num_running + num_waiting, self.max_batch_size)
+
+    def row_limit(self, seq: Any, batch_size: int) -> int:
+        """min(rule 1, rule 2) for one request."""
+        if seq.spec_off or seq.pause_steps > 0:
+            return 0
+        return self.batch_limit(batch_size)
+
+    def observe(self, seq: Any, proposed: int, accepted: int, stats: Any = None) -> None:
+        """Rule 2 after a decode step of `seq` that verified `proposed` drafts and accepted `accepted`."""
+        if not self.window:
+            return
+        if seq.pause_steps > 0:
+            seq.pause_steps -= 1
+            return
+        if proposed == 0:
+            return
+        win = seq.accept_window
+        win.append(1 + accepted)
+        if len(win) > self.window:
+            win.pop(0)
+        if len(win) == self.window and sum(win) / self.window < self.al_threshold:
+            seq.pause_steps = self.window
+            win.clear()
+            seq.num_pauses += 1
+            if stats is not None:
+                stats.num_window_pauses += 1
