@@ -862,7 +862,14 @@ def run(o: FinetuneOptions, echo: Callable[[str], None] = print) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not o.keep_work:
-        shutil.rmtree(o.work, ignore_errors=True)
+    if not o.keep_work:   # only what this command put there (--work_dir may be a directory of the user's)
+        for name in ("cache", "state", "state.tmp"):
+            shutil.rmtree(o.work / name, ignore_errors=True)
+        for name in ("eval_before.json", "train_meta.json"):
+            (o.work / name).unlink(missing_ok=True)
+        try:
+            o.work.rmdir()
+        except OSError:
+            pass
     echo(f"wrote {out} ({time.perf_counter() - t_start:.0f} s; training {train_s:.0f} s)")
     return report
