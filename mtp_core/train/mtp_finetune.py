@@ -709,6 +709,11 @@ def write_output(o: FinetuneOptions, ckpt, model: DeepseekV3ForCausalLM, config_
             shutil.copy2(p, dest / p.name)
         elif p.is_dir() and not any(q.suffix == ".safetensors" for q in p.rglob("*")):
             shutil.copytree(p, dest / p.name, symlinks=False)
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in dest.rglob("*.safetensors"):   # safetensors writes 0600; make them readable like the copies
+        if p.stat().st_nlink == 1:
+            os.chmod(p, 0o666 & ~umask)
     if hf_q.is_file():
         q = json.loads(hf_q.read_text())
         sec = q.get("quantization", q)
