@@ -20,6 +20,11 @@ from cli.train import train_command  # noqa: E402
 app.command("train", help="Train the shipped model's recipe (DeepSeek-V3 architecture + MTP), resumable.")(
     train_command)
 
+from cli.train_mtp import train_mtp_command  # noqa: E402
+
+app.command("train-mtp", help="Fine-tune (or --add_mtp N) a checkpoint's MTP modules by self-distillation; "
+            "main weights untouched.")(train_mtp_command)
+
 try:  # commands added by later issues register themselves only when their module is present
     from cli.quantize import quantize_command
     app.command("quantize", help="Write FP8-block or NVFP4 checkpoints from a bf16/fp32 one.")(quantize_command)
