@@ -60,15 +60,16 @@ def batch(rows: list[tuple[int, int]], num_blocks: int = 64) -> tuple[AttentionM
     return AttentionMetadata.build(positions, tables, PAGE, use_absorbed=True), tables
 
 
-def run_both(model, layer_ids, rows, mtp=False, dtype=torch.float32, cache_dtype=None, final=True, seed=0):
+def run_both(model, layer_ids, rows, mtp=False, dtype=torch.float32, cache_dtype=None, final=True, seed=0,
+             num_blocks=64):
     cfg = model.config
     D = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    meta, _ = batch(rows)
+    meta, _ = batch(rows, num_blocks)
     T = meta.positions.numel()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(7, cfg.vocab_size, (T,), generator=g)
     cache_dtype = cache_dtype or dtype
-    caches = [torch.randn(64, PAGE, D, generator=g).to(cache_dtype) for _ in layer_ids]
+    caches = [torch.randn(num_blocks, PAGE, D, generator=g).to(cache_dtype) for _ in layer_ids]
     hidden = torch.randn(T, cfg.hidden_size, generator=g).to(dtype) if mtp else None
     nd = model.native
     weights = [w for i in layer_ids for w in nd.layer_weights[i]]
@@ -158,6 +159,28 @@ def test_batch_invariance_is_bitwise() -> None:
         assert torch.equal(torch.cat(one_by_one), together)
         assert torch.equal(nd.logits(torch.cat(one_by_one)), nd.logits(together))
         assert all(torch.equal(a, b) for a, b in zip(caches_a, caches_b))
+
+
+def test_two_threads_give_bitwise_the_same_result() -> None:
+    """Work large enough to be split across threads (projection panels, experts, attention rows) gives
+    bitwise what one thread gives."""
+    model = tiny_model(num_layers=2, num_mtp=1)
+    rows = [(3 + b % 9, 1 + b % 3) for b in range(96)]          # 96 rows, 192 tokens: every split kicks in
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, ref, *_ = run_both(model, [0, 1], rows, num_blocks=512)
+        torch.set_num_threads(2)
+        two, *_ = run_both(model, [0, 1], rows, num_blocks=512)
+        g = torch.Generator().manual_seed(1)
+        x, wp = torch.randn(64, 1024, generator=g), pack_weight(torch.randn(256, 1024, generator=g))
+        big_two = kernels.linear_bi(x, wp, 256)
+        torch.set_num_threads(1)
+        big_one = kernels.linear_bi(x, wp, 256)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two) and torch.equal(big_one, big_two)
+    torch.testing.assert_close(one, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_linear_bi_matches_and_opcheck() -> None:
