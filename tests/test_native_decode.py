@@ -296,3 +296,25 @@ def test_bf16_native_greedy_mtp_equals_plain_greedy(tiny3_dir) -> None:
     for nextn, mode in ((2, "eagle"), (3, "vanilla")):
         eng = make_engine(model, nextn=nextn, mode=mode, max_batch_size=8)
         assert [s.output_ids for s in run_to_end(eng, PROMPTS, greedy(24))] == want, (nextn, mode)
+
+
+def test_a_copy_of_a_fused_model_packs_its_own_weights(tiny1_dir) -> None:
+    """The native decoder is a snapshot of the weights: a deep copy drops it (and the decode fusion), so
+    changing the copy's weights and then serving it gives what a fresh model with those weights gives."""
+    import copy
+
+    from mtp_core.loader import load_model
+    model = load_model(tiny1_dir, "float32")[0]
+    make_engine(model)
+    assert model.native is not None
+    twin = copy.deepcopy(model)
+    assert twin.native is None and not twin.decode_fused
+    fresh = load_model(tiny1_dir, "float32")[0]
+    with torch.no_grad():
+        for m in (twin, fresh):
+            m.model.layers[1].post_attention_layernorm.weight.mul_(-3.0)
+    prompts = PROMPTS[:4]
+    out = {name: [s.output_ids for s in run_to_end(make_engine(m, max_batch_size=4), prompts, greedy(16))]
+           for name, m in (("twin", twin), ("fresh", fresh), ("original", model))}
+    assert twin.native is not None
+    assert out["twin"] == out["fresh"] != out["original"]

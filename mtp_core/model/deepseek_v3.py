@@ -43,6 +43,15 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.num_main_layers = cfg.num_hidden_layers
         self.native = None   # the native CPU decode forward (NativeDecoder), set by ensure_decode_fused()
 
+    def __getstate__(self) -> dict:
+        """Copies (copy.deepcopy, pickle) drop the decode-time fusion and the native decoder: both are
+        snapshots of the weights (absorbed attention, packed panels), so a copy whose weights are then changed
+        fuses and packs its own when an engine first uses it."""
+        state = self.__dict__.copy()
+        state["native"] = None
+        state["decode_fused"] = False
+        return state
+
     @property
     def num_mtp_modules(self) -> int:
         return len(self.model.layers) - self.num_main_layers

@@ -66,6 +66,18 @@ class _MTPRunner:
         return d.tolist(), p.tolist()
 
 
+def _last_rows(out: torch.Tensor, positions: list[list[int]], active: list[int]) -> torch.Tensor:
+    """out [T, H] (rows laid out one after another) -> [len(active), H]: the last position of each active row
+    (a slice when there is one row: no gather)."""
+    ends, n = [], 0
+    for p in positions:
+        n += len(p)
+        ends.append(n - 1)
+    if len(active) == 1:
+        return out[ends[active[0]]:ends[active[0]] + 1]
+    return out[[ends[i] for i in active]]
+
+
 def _limit(r: DraftInput, K: int) -> int:
     return K if r.max_drafts is None else max(0, min(r.max_drafts, K))
 
@@ -88,13 +100,12 @@ class EagleDrafter:
         positions = [list(range(r.start, r.start + len(r.next_tokens))) for r in rows]
         out = self.runner.run(0, positions, [r.next_tokens for r in rows], torch.cat([r.hidden for r in rows]),
                               [r.seq.block_table for r in rows])
-        ends = torch.tensor([len(p) for p in positions]).cumsum(0) - 1
         active = [i for i, r in enumerate(rows) if r.needs_drafts and _limit(r, K) > 0]
         if not active:
             return drafts
         limits = {i: _limit(rows[i], K) for i in active}
         conf = {i: 1.0 for i in active}
-        g = out[ends[active]]                                             # [R, H]
+        g = _last_rows(out, positions, active)                            # [R, H]
         for j in range(1, K + 1):
             d, p = self.runner.draft_with_prob(g) if thr > 0 else (self.runner.draft(g), None)
             keep: list[int] = []
@@ -159,11 +170,10 @@ class VanillaDrafter:
                 tokens.append(toks + chain_tok[i])
                 hiddens.append(torch.cat([hid, *[h[None] for h in chain_hid[i]]]) if chain_hid[i] else hid)
             out = self.runner.run(k, positions, tokens, torch.cat(hiddens), [r.seq.block_table for r in rows])
-            ends = torch.tensor([len(p) for p in positions]).cumsum(0) - 1
             active = [i for i in drafting if len(drafts[i]) == k and k < drafting[i]]
             if not active:
                 continue
-            g = out[ends[active]]
+            g = _last_rows(out, positions, active)
             d, p = self.runner.draft_with_prob(g) if thr > 0 else (self.runner.draft(g), None)
             for n, (i, tok, h) in enumerate(zip(active, d, g)):
                 if p is not None:

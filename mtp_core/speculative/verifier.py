@@ -27,17 +27,16 @@ class VerifyResult:
         return [len(t) - 1 for t in self.tokens]
 
 
-def _accepted_prefix(match: torch.Tensor) -> torch.Tensor:
-    """match [B, K] bool -> m [B]: length of the leading run of True."""
-    return match.int().cumprod(dim=-1).sum(-1)
-
-
 def verify_strict(logits: torch.Tensor, drafts: torch.Tensor) -> VerifyResult:
     """logits [B, K+1, V], drafts [B, K]. Greedy: accept while d_{i+1} == argmax(logits_i)."""
-    target = logits.argmax(-1)                                   # [B, K+1]
-    m = _accepted_prefix(drafts == target[:, :-1]).tolist()
-    rows = target.tolist()
-    return VerifyResult([rows[b][: m[b] + 1] for b in range(len(m))])
+    rows = logits.argmax(-1).tolist()                            # [B][K+1]: one tensor op, then host lists
+    out: list[list[int]] = []
+    for target, d in zip(rows, drafts.tolist()):
+        m = 0
+        while m < len(d) and d[m] == target[m]:
+            m += 1
+        out.append(target[: m + 1])
+    return VerifyResult(out)
 
 
 def relaxed_candidates(logits: torch.Tensor, topk: int, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
