@@ -171,7 +171,9 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
         h = model.forward_dense(ids)
         logits = model.lm_head(h[:, :-1]).float()
         main_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        v_losses, e_losses, v_acc, e_acc = mtp_losses(model, ids, h, recipe.num_mtp_modules, recipe.eagle_depth)
+        rows = max(1, round(ids.shape[0] * recipe.mtp_batch_fraction))
+        v_losses, e_losses, v_acc, e_acc = mtp_losses(model, ids[:rows], h[:rows], recipe.num_mtp_modules,
+                                                      recipe.eagle_depth)
         loss = main_loss + recipe.mtp_lambda * torch.stack(v_losses).mean()
         if e_losses:
             loss = loss + recipe.mtp_lambda * torch.stack(e_losses).mean()
