@@ -48,6 +48,7 @@ class Recipe:
     # the MTP losses (both chains) on the first rows of each batch only: on a CPU they cost ~2.3x the main
     # model's forward+backward, so 0.5 about doubles the main model's tokens per second
     mtp_batch_fraction: float = 1.0
+    autocast_bf16: bool = False      # matmuls in bfloat16 under torch.autocast (master weights float32)
     bias_update_speed: float = 1e-3  # aux-loss-free expert balancing (DeepSeek-V3)
     general_fraction: float = 0.08
     drill_fraction: float = 0.0      # share of examples that are a single-digit fact drill (data.arithmetic)
@@ -93,7 +94,7 @@ TINY_R1_V2 = Recipe(
     name="tiny-r1", num_layers=4, hidden_size=128, q_lora_rank=64, intermediate_size=384, moe_intermediate_size=96,
     seq_len=512, batch_size=4, steps=1000, lr=3e-3, warmup_steps=30,
     lr_segments=((820, "constant", 3e-3), (1000, "linear", 3e-3, 1e-4)), mix_segments=((0, _V2_EARLY), (150, _V2_LATE)),
-    general_fraction=0.03, drill_fraction=0.04, mtp_batch_fraction=0.5, save_every=20, num_threads=1, seed=0)
+    general_fraction=0.03, drill_fraction=0.04, mtp_batch_fraction=0.5, autocast_bf16=True, save_every=20, num_threads=1, seed=0)
 
 RECIPES = {
     "tiny-r1": TINY_R1_V2,

@@ -168,12 +168,15 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
         ids = batch_for_step(tok, recipe, step).to(device)
         for g in opt.param_groups:
             g["lr"] = lr_at(recipe, step)
-        h = model.forward_dense(ids)
-        logits = model.lm_head(h[:, :-1]).float()
-        main_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        rows = max(1, round(ids.shape[0] * recipe.mtp_batch_fraction))
-        v_losses, e_losses, v_acc, e_acc = mtp_losses(model, ids[:rows], h[:rows], recipe.num_mtp_modules,
-                                                      recipe.eagle_depth)
+        # bf16 autocast (weights, optimizer state and the losses stay float32): ~1.5x on a CPU with AMX
+        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
+                            enabled=recipe.autocast_bf16):
+            h = model.forward_dense(ids)
+            logits = model.lm_head(h[:, :-1]).float()
+            main_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+            rows = max(1, round(ids.shape[0] * recipe.mtp_batch_fraction))
+            v_losses, e_losses, v_acc, e_acc = mtp_losses(model, ids[:rows], h[:rows], recipe.num_mtp_modules,
+                                                          recipe.eagle_depth)
         loss = main_loss + recipe.mtp_lambda * torch.stack(v_losses).mean()
         if e_losses:
             loss = loss + recipe.mtp_lambda * torch.stack(e_losses).mean()
