@@ -85,8 +85,10 @@ def _expected_default_answers() -> dict[str, str]:
     out = {}
     for p in DEFAULT_PROMPTS:
         nums = [int(x) for x in re.findall(r"\d+", p)]
-        if " + " in p:
+        if " + " in p or "sum of" in p or " plus " in p or p.startswith("Add "):
             out[p] = str(nums[0] + nums[1])
+        elif "biggest" in p or "largest number" in p or "maximum" in p:
+            out[p] = str(max(nums))
         elif "order" in p:
             out[p] = ", ".join(map(str, sorted(nums, reverse="decreasing" in p or "descending" in p)))
         elif "occur" in p or "how many" in p.lower():
