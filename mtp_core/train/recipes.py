@@ -92,8 +92,8 @@ _V2_LATE = (("add", 0.17), ("sub", 0.15), ("mul", 0.18), ("sort", 0.16), ("count
             ("max", 0.06), ("reverse", 0.09), ("parity", 0.03))
 TINY_R1_V2 = Recipe(
     name="tiny-r1", num_layers=4, hidden_size=128, q_lora_rank=64, intermediate_size=384, moe_intermediate_size=96,
-    seq_len=512, batch_size=4, steps=4000, lr=3e-3, warmup_steps=30,
-    lr_segments=((3400, "constant", 3e-3), (4000, "linear", 3e-3, 1e-4)), mix_segments=((0, _V2_EARLY), (150, _V2_LATE)),
+    seq_len=512, batch_size=4, steps=2900, lr=3e-3, warmup_steps=30,
+    lr_segments=((2400, "constant", 3e-3), (2900, "linear", 3e-3, 1e-4)), mix_segments=((0, _V2_EARLY), (150, _V2_LATE)),
     general_fraction=0.03, drill_fraction=0.04, mtp_batch_fraction=0.5, autocast_bf16=True, save_every=20, num_threads=1, seed=0)
 
 RECIPES = {
