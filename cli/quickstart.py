@@ -22,10 +22,12 @@ install_one_line_usage_errors()
 log = logging.getLogger("mtp.cli")
 
 SHIPPED_MAX_TOKENS = 320   # --max_tokens when the shipped model runs with no --max_tokens given
-DEFAULT_PROMPTS = [   # one question of three task families, worded as the shipped model was trained
-    "What is 347 + 285?",
-    "Arrange in increasing order: 42, 7, 19, 88, 3.",
-    'In the word "strawberry", how many times does \'r\' occur?',
+# Three held-out questions (eval/ beside the shipped model) that the shipped model answers correctly with greedy
+# decoding (so with MTP, which is lossless), worded as it was trained; tests/test_shipped_model.py checks them.
+DEFAULT_PROMPTS = [
+    "Calculate the sum of 429 and 352.",
+    'How many times does the letter \'r\' appear in "shark"?',
+    "Which is the biggest of these numbers: 31, 9, 83, 54, 22, 0?",
 ]
 
 

@@ -30,7 +30,8 @@ def _add_line(i: int, a: int, b: int, carry: int, ph: Phraser) -> str:
     """One column: '{label}{a} + {b} (+ carry) = {s}{tail}' in one of several wordings."""
     s = a + b + carry
     d, c = s % 10, s // 10
-    label = ph.choose("add.label", ("", f"{place(i)}: ", f"{place(i)} column: "))
+    # the place label is always written: it tells the model which digits of the operands to fetch
+    label = ph.choose("add.label", (f"{place(i)}: ", f"{place(i)} column: ", f"{place(i)} digits: "))
     if ph.index("add.eq", 2) == 0:
         eq = f"{a} + {b}" + (ph.choose("add.carry", (" + 1", " + 1 carried", " + 1 from the carry")) if carry else "")
         eq += f" = {s}"
@@ -104,7 +105,7 @@ def _sub_line(i: int, t: int, u: int, borrow_in: int, ph: Phraser) -> tuple[str,
     eff = t - borrow_in
     borrow_out = 1 if eff < u else 0
     d = eff + 10 * borrow_out - u
-    label = ph.choose("sub.label", ("", f"{place(i)}: "))
+    label = ph.choose("sub.label", (f"{place(i)}: ", f"{place(i)} column: "))
     lhs = f"{t} - 1" if borrow_in else f"{t}"
     if borrow_out:
         body = ph.choose("sub.borrow", (f"{lhs} is less than {u}, so borrow: ", f"{lhs} < {u}, borrow 1: ",
@@ -153,3 +154,29 @@ def render_sub(ops: tuple[int, int], rng: random.Random) -> Trace:
         lines.append(pick(rng, (f"Check: {r} + {bot} = {top}. Correct.",
                                 f"Let me verify: {bot} + {r} = {top}. Yes.")))
     return Trace(question, "\n".join(lines), str(a - b), f"{a} - {b} = {a - b}.")
+
+
+# ------------------------------------------------------------------ single-digit fact drill (training only)
+
+def render_fact_drill(rng: random.Random, num_facts: int = 16) -> str:
+    """A plain-text block of single-digit facts in the forms the column traces use: sums (with and
+    without a carry), subtractions with and without a borrow, and products. Not a chat example and not
+    a question: it drills the facts every multi-digit trace is built from, nothing else."""
+    lines = [pick(rng, ("Digit facts:", "Practice:", "Single-digit facts.", "Facts to remember:"))]
+    for _ in range(num_facts):
+        kind = rng.choices(("add", "add1", "sub", "subb", "mul"), weights=(4, 2, 2, 2, 3))[0]
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        if kind == "add":
+            lines.append(pick(rng, (f"{a} + {b} = {a + b}", f"{a} plus {b} is {a + b}", f"{a} + {b} makes {a + b}")))
+        elif kind == "add1":
+            lines.append(pick(rng, (f"{a} + {b} + 1 = {a + b + 1}", f"{a} plus {b} plus the carry 1 is {a + b + 1}")))
+        elif kind == "sub":
+            a, b = max(a, b), min(a, b)
+            lines.append(pick(rng, (f"{a} - {b} = {a - b}", f"{a} minus {b} is {a - b}")))
+        elif kind == "subb":
+            b = rng.randint(1, 9)
+            a = rng.randint(0, b - 1)
+            lines.append(f"{a + 10} - {b} = {a + 10 - b}")
+        else:
+            lines.append(pick(rng, (f"{a} × {b} = {a * b}", f"{a} times {b} is {a * b}", f"{a} * {b} = {a * b}")))
+    return "\n".join(lines) + "\n\n"

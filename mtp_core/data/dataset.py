@@ -15,6 +15,7 @@ from typing import Iterator
 
 from mtp_core.chat_format import render_completion, render_prompt
 from mtp_core.data import general_text
+from mtp_core.data.arithmetic import render_fact_drill
 from mtp_core.data.phrasing import Trace, maybe, ngram_predictability
 from mtp_core.data.scoring import format_answer
 from mtp_core.data.tasks import FAMILY_SPECS, generate, render, sample_operands, split_of
@@ -58,13 +59,18 @@ def example_for(family: str, operands: tuple, rng: random.Random) -> Example:
 
 
 def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15,
-                   family_weights: dict[str, float] | None = None) -> Iterator[str]:
+                   family_weights: dict[str, float] | None = None, drill_fraction: float = 0.0) -> Iterator[str]:
     """`num_examples` chat examples (families mixed by weight; `family_weights` overrides the default
     shares, families it leaves out keep theirs) interleaved with general-text chunks.
 
     General chunks are added whenever they fall below `general_fraction` of all characters so far
-    (characters stand in for tokens), so the share holds at every prefix of the stream.
+    (characters stand in for tokens), so the share holds at every prefix of the stream. With
+    `drill_fraction` > 0, that share of the examples is a single-digit fact drill (`render_fact_drill`)
+    instead of a chat example (drawn from its own rng, so the chat examples are those of drill 0 thinned).
     """
+    if not 0.0 <= drill_fraction < 1.0:
+        raise ValueError(f"drill_fraction must be in [0, 1), got {drill_fraction}")
+    drill_rng = random.Random(f"drill-{seed}")
     if not 0.0 <= general_fraction < 1.0:
         raise ValueError(f"general_fraction must be in [0, 1), got {general_fraction}")
     if num_examples < 0:
@@ -81,8 +87,11 @@ def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15,
     order: list[int] = []
     task_chars = general_chars = 0
     for _ in range(num_examples):
-        example = sample_example(rng.choices(FAMILIES, weights)[0], rng)
-        text = example.prompt + example.completion
+        if drill_fraction and drill_rng.random() < drill_fraction:
+            text = render_fact_drill(drill_rng)
+        else:
+            example = sample_example(rng.choices(FAMILIES, weights)[0], rng)
+            text = example.prompt + example.completion
         task_chars += len(text)
         yield text
         while chunks and general_chars < ratio * task_chars:

@@ -32,28 +32,24 @@ def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
     target = sorted(values, reverse=not asc)
     ph = Phraser(rng)
     word = "smallest" if asc else "largest"
-    lines: list[str] = []
-    if maybe(rng, 0.6):
-        lines.append(pick(rng, (f"I'll repeatedly take the {word} remaining number.",
-                                f"Let me pick out the {word} number each time.",
-                                f"Find the {word}, remove it, and repeat.")))
-        rest = list(values)
-        for k, v in enumerate(target[:-1]):
-            before = number_list(rest)
-            rest.remove(v)
-            line = (f"{word.capitalize()} of {before}: {v}.", f"The {word} of {before} is {v}.",
-                    f"Take {v}. Left: {number_list(rest)}.",
-                    f"Next {word}: {v}, leaving {number_list(rest)}.")[ph.index("sort.take", 4)]
-            lines.append(ph.connect(line, ("", "Then ", "Now ")) if k > 0 else line)
-        lines.append(pick(rng, (f"Only {rest[0]} is left.", f"The last one is {rest[0]}.", f"Take {rest[0]}.")))
-    else:
-        lines.append(pick(rng, ("I'll insert the numbers one at a time into a sorted list.",
-                                "Let me build the sorted list by inserting one number at a time.")))
-        lines.append(pick(rng, (f"Start with {values[0]}.", f"Begin with {values[0]}.")))
-        for i in range(1, len(values)):
-            v, now = values[i], number_list(sorted(values[:i + 1], reverse=not asc))
-            line = ph.choose("sort.insert", (f"Insert {v}: {now}.", f"Add {v}: {now}.", f"{v} goes in: {now}."))
-            lines.append(ph.connect(line, ("", "Then ", "Next, ")))
+    better = (lambda x, y: x < y) if asc else (lambda x, y: x > y)
+    lines: list[str] = [pick(rng, (f"I'll repeatedly take the {word} remaining number.",
+                                   f"Let me pick out the {word} number each time.",
+                                   f"Selection sort: find the {word}, remove it, and repeat."))]
+    # Every step is computable from what is already written: a pass copies the remaining numbers in order
+    # (the previous pass without its pick) and marks each with the running pick so far.
+    mark = pick(rng, ("{v} ({m})", "{v} -> {m}", "{v} [{m}]"))
+    rest = list(values)
+    for k in range(len(values) - 1):
+        cur, marked = rest[0], [str(rest[0])]
+        for v in rest[1:]:
+            cur = v if better(v, cur) else cur
+            marked.append(mark.format(v=v, m=cur))
+        head = ph.choose("sort.pass", ("Scan: ", "Remaining: ", f"Pass {k + 1}: ", "Left: "))
+        lines.append(head + ", ".join(marked) + ".")
+        rest.remove(cur)
+        lines.append(ph.choose("sort.take", (f"{word.capitalize()}: {cur}.", f"Take {cur}.", f"The {word} is {cur}.")))
+    lines.append(pick(rng, (f"Only {rest[0]} is left.", f"The last one is {rest[0]}.", f"Take {rest[0]}.")))
     order = "ascending" if asc else "descending"
     lines.append(pick(rng, (f"Sorted: {number_list(target)}.", f"In {order} order: {number_list(target)}.",
                             f"So the order is {number_list(target)}.")))
@@ -129,14 +125,22 @@ def render_compare(ops: tuple[int, int, str], rng: random.Random) -> Trace:
         question = pick(rng, (f"Which is smaller, {a} or {b}?", f"Which number is less: {a} or {b}?",
                               f"Which is the smaller number, {a} or {b}?"))
     na, nb = len(str(a)), len(str(b))
+    # The digits are counted with a running number, so the lengths are computable from the text.
+    count_fmt = pick(rng, ("{d} ({n})", "{d}:{n}", "{d} -> {n}"))
+    lead = pick(rng, ("Count the digits. ", "First the lengths. ", ""))
+    counted = []
+    for x in (a, b):
+        marks = ", ".join(count_fmt.format(d=d, n=k + 1) for k, d in enumerate(str(x)))
+        counted.append(f"{x}: {marks}.")
+    lines = [lead + " ".join(counted)]
     if na != nb:
-        lines = [pick(rng, (f"{a} has {_digits(na)} and {b} has {_digits(nb)}.",
-                            f"Count the digits: {a} has {na}, {b} has {nb}.")),
-                 f"More digits means a bigger number, so {big} is larger."]
+        lines += [pick(rng, (f"{a} has {_digits(na)} and {b} has {_digits(nb)}.",
+                             f"So {a} has {na} and {b} has {nb}.")),
+                  f"More digits means a bigger number, so {big} is larger."]
     else:
         unit = _digits(na)
-        lines = [pick(rng, (f"Both have {unit}, so compare from the left.",
-                            f"{a} and {b} both have {unit}. Compare digit by digit from the left."))]
+        lines.append(pick(rng, (f"Both have {unit}, so compare from the left.",
+                                f"{a} and {b} both have {unit}. Compare digit by digit from the left.")))
         ph = Phraser(rng)
         for i, (x, y) in enumerate(zip(digits_of(a), digits_of(b))):
             line_style = ph.index("compare.digit", 3)

@@ -29,7 +29,7 @@ def _column(big: int, m: int, ph: Phraser) -> list[str]:
     ds = digits_of(big)[::-1]
     for i, dig in enumerate(ds):
         p = dig * m + carry
-        label = ph.choose("mul.label", ("", f"{place(i)}: "))
+        label = ph.choose("mul.label", (f"{place(i)}: ", f"{place(i)} digit: "))
         if carry:
             eq = ph.choose("mul.carry", (f"{dig} × {m} + {carry} = {p}", f"{dig} × {m} = {dig * m}, plus {carry} is {p}",
                                          f"{dig} × {m} = {dig * m}, plus the carried {carry} makes {p}"))

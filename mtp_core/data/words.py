@@ -26,30 +26,22 @@ def render_count(ops: tuple[str, str], rng: random.Random) -> Trace:
                         f"I'll go through \"{word}\" letter by letter.",
                         f"Spell it out and look for '{letter}'."))]
     positions = [str(i + 1) for i, c in enumerate(word) if c == letter]
-    if maybe(rng, 0.5):
-        lines.append(f"The word has {len(word)} letters.")
-    if maybe(rng, 0.5):
-        lines.append(pick(rng, ("-", " ")).join(word) + ".")
-        mark = pick(rng, ("{c} ({n})", "{c} (that's {n})", "{c} -> {n}"))
-        marked, running = [], 0
-        for c in word:
-            running += c == letter
-            marked.append(mark.format(c=c, n=running) if c == letter else c)
-        lines.append(pick(rng, ("", "Counting: ", "Going through: ")) + ", ".join(marked) + ".")
-    else:
-        lines.append(pick(rng, ("Letters: ", "The letters are ", "Spelled out: ")) + ", ".join(word) + ".")
-        if positions:
-            noun = "position" if count == 1 else "positions"
-            lines.append(f"'{letter}' is at {noun} {join_and(positions)}.")
-        else:
-            lines.append(f"There is no '{letter}' in it.")
+    # Letter by letter with a running count: each step needs only the previous mark and one letter.
+    lines.append(pick(rng, ("-", " ", ", ")).join(word) + ".")
+    mark = pick(rng, ("{c} ({n})", "{c} (that's {n})", "{c} -> {n}", "{c} [{n}]"))
+    marked, running = [], 0
+    for c in word:
+        running += c == letter
+        marked.append(mark.format(c=c, n=running) if c == letter else c)
+    lines.append(pick(rng, ("", "Counting: ", "Going through: ", f"Marking each '{letter}': ")) + ", ".join(marked) + ".")
     if count == 0:
         lines.append(pick(rng, (f"So '{letter}' does not appear; the count is 0.", f"No {letter} at all, so 0.")))
     else:
         lines.append(pick(rng, (f"So '{letter}' appears {times(count)} in \"{word}\".", f"That makes {count}.",
                                 f"Total: {count}.")))
         if maybe(rng, 0.5):
-            lines.append(f"Let me recount the positions: {join_and(positions)}. Yes, {count}.")
+            lines.append(pick(rng, (f"The last mark is {count}, so the count is {count}.",
+                                    f"Checking the marks again: the highest is {count}. Yes.")))
     return Trace(question, "\n".join(lines), str(count))
 
 
@@ -67,11 +59,15 @@ def render_reverse(ops: tuple[str], rng: random.Random) -> Trace:
     lines = [pick(rng, (f"Spell \"{word}\" forwards, then read it backwards.",
                         "Let me list the letters and reverse them.",
                         f"I'll take the letters of \"{word}\" from last to first."))]
-    if maybe(rng, 0.5):
-        lines.append(f"\"{word}\" has {len(word)} letters.")
-    sep = pick(rng, ("-", ", ", " "))
-    lines.append(pick(rng, ("Letters: ", "Forwards: ", "Spelled out: ")) + sep.join(word) + ".")
-    lines.append(pick(rng, ("Backwards: ", "Reversed: ", "From the end: ")) + sep.join(rev) + ".")
+    # Numbered letters forwards, then the numbers counted down: each backwards step looks up one number.
+    numbered = pick(rng, ("{i} {c}", "{i}:{c}", "{c}{i}"))
+    fwd = [numbered.format(i=i + 1, c=c) for i, c in enumerate(word)]
+    lines.append(pick(rng, ("Letters: ", "Forwards: ", "Numbered: ")) + ", ".join(fwd) + ".")
+    if maybe(rng, 0.4):
+        lines.append(f"The last number is {len(word)}, so \"{word}\" has {len(word)} letters.")
+    lines.append(pick(rng, ("Backwards: ", "Reversed: ", "From the end: ", "Counting down: "))
+                 + ", ".join(fwd[::-1]) + ".")
+    lines.append(pick(rng, ("So the letters are ", "In order: ", "That spells ")) + pick(rng, ("-", " ")).join(rev) + ".")
     lines.append(pick(rng, (f"Joined: {rev}.", f"Put together: {rev}.", f"So the reversed word is {rev}.")))
     if maybe(rng, 0.5):
         lines.append(f"Check: the first letter {word[0]} is now last, and the last letter {word[-1]} is now first.")
