@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-
 import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional, Sequence as Seq, Union

@@ -3,6 +3,7 @@ target set), greedy with MTP (lossless, so the answers are those of plain greedy
 
     python scripts/eval_model.py [MODEL_DIR] [--per_task 50] [--max_tokens 512] [--json OUT]
         [--relaxed [--relaxed_topk 10 --relaxed_delta 0.6]] [--mode eagle|vanilla] [--k 3]
+        [--dtype float32|bfloat16]
 
 With --relaxed the thinking phase uses relaxed acceptance (Vanilla K=3, top-10, delta 0.6 by default, as in
 `mtp sweep`), which is not lossless: the answers can differ from plain greedy decoding.
@@ -27,6 +28,8 @@ ap.add_argument("--per_task", type=int, default=50)
 ap.add_argument("--max_tokens", type=int, default=512)
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--json")
+ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                help="weights in memory (the native CPU step computes in fp32 either way)")
 ap.add_argument("--mode", choices=("eagle", "vanilla"), default=None, help="default: eagle, or vanilla with --relaxed")
 ap.add_argument("--k", type=int, default=3)
 ap.add_argument("--relaxed", action="store_true")
@@ -37,7 +40,7 @@ torch.set_num_threads(args.threads)
 records = [r for f in FAMILIES for r in eval_records(f, args.per_task)]
 records += [r for name, family, digits in TARGET_SETS for r in eval_records(family, args.per_task, 1234, digits, name)]
 # a KV pool for the 16 sequences in flight only (the default takes 90% of free memory)
-llm = LLM(LLMConfig(model_dir=args.model_dir, dtype="float32", max_batch_size=16,
+llm = LLM(LLMConfig(model_dir=args.model_dir, dtype=args.dtype, max_batch_size=16,
                     kv_cache_config=KvCacheConfig(max_tokens=16 * 1024),
                     speculative_config=SpeculativeConfig(
                         num_nextn_predict_layers=args.k,
@@ -54,14 +57,14 @@ for i in range(0, len(records), 32):     # in chunks; only the texts are kept
     texts += [o.text for o in outs]
     del outs
 acc = score(records, texts)
-print(f"{len(records)} questions in {time.perf_counter() - t0:.0f} s ({args.model_dir}, "
+print(f"{len(records)} questions in {time.perf_counter() - t0:.0f} s ({args.model_dir}, {args.dtype}, "
       f"{'relaxed' if args.relaxed else 'strict'}, {args.mode or ('vanilla' if args.relaxed else 'eagle')} K={args.k})")
 print("| task | exact match |\n| --- | --- |")
 for task, a in acc.items():
     print(f"| {task} | {100 * a:.0f}% |")
 if args.json:
     with open(args.json, "w") as f:
-        json.dump({"per_task": args.per_task, "max_tokens": args.max_tokens, "relaxed": args.relaxed,
+        json.dump({"per_task": args.per_task, "max_tokens": args.max_tokens, "dtype": args.dtype, "relaxed": args.relaxed,
                    "mode": args.mode or ("vanilla" if args.relaxed else "eagle"), "k": args.k, "accuracy": acc,
                    "generations": [{"task": r["task"], "question": r["question"], "answer": r["answer"],
                                     "text": t} for r, t in zip(records, texts)]}, f, indent=2)

@@ -400,10 +400,15 @@ at::Tensor decode_forward_cpu(const at::Tensor& ids, const at::Tensor& embed, co
     TORCH_CHECK(b.positions[t] >= 0 && b.positions[t] < rope_cos.size(0), "decode_forward: position ",
                 b.positions[t], " outside the rope table");
   }
+  // every layer's cache has the same layout (one pool, one block table): check the slots and pages once
   for (const at::Tensor& c : caches) {
     TORCH_CHECK(c.dim() == 3 && c.size(2) == d.R + d.P && c.is_contiguous() &&
-                    (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16),
-                "decode_forward: caches must be contiguous [blocks, page, R+P] float32/bfloat16");
+                    (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16) &&
+                    c.sizes() == caches[0].sizes() && c.scalar_type() == caches[0].scalar_type(),
+                "decode_forward: caches must be contiguous [blocks, page, R+P] float32/bfloat16, all alike");
+  }
+  if (!caches.empty()) {
+    const at::Tensor& c = caches[0];
     const int64_t capacity = c.size(0) * c.size(1);
     for (int64_t t = 0; t < T; ++t)
       TORCH_CHECK(b.slots[t] >= 0 && b.slots[t] < capacity, "decode_forward: slot ", b.slots[t], " outside the cache");

@@ -141,7 +141,8 @@ def forward_costs(model: Any, base: LLMConfig, eos: list[int], prompt: list[int]
                     f()
                 best = min(best, (time.perf_counter() - t0) / max(1, repeats // 5))
             out[name] = best * 1e3
-    engine.abort(seq) if not seq.is_finished else None
+    if not seq.is_finished:
+        engine.abort(seq)
     out["mtp_over_main"] = out["mtp_forward_ms"] / out["main_forward_ms"]
     out["native"] = model.native is not None
     return out

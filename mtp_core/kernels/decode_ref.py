@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mtp_core.kernels.fused_ref import rms_norm_ref, rope_ref
+
 WEIGHT_SLOTS = ("in_norm", "w_a", "b_a", "q_a_norm", "w_q", "kv_norm", "w_o", "post_norm",
                 "mlp_w13", "mlp_w2", "gate", "gate_bias", "exp_w13", "exp_w2", "sh_w13", "sh_w2",
                 "enorm", "hnorm", "eh_proj", "head_norm")
@@ -47,15 +49,7 @@ def _has(t: torch.Tensor | None) -> bool:
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return w.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """x [T, ..., P], cos/sin [T, P/2] -> [x1 c - x2 s | x2 c + x1 s]."""
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
-    c, s = cos.reshape(shape), sin.reshape(shape)
-    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else x.chunk(2, dim=-1)
-    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return rms_norm_ref(x, w.float(), eps)                       # x is fp32 here: fp32 arithmetic throughout
 
 
 def _mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -126,8 +120,8 @@ def decode_forward_ref(ids, embed, mtp_hidden, weights, dims, fparams, caches, r
         else:
             q = a[:, :nh * (R + P)]
         q = q.reshape(T, nh, R + P)
-        q = torch.cat([q[..., :R], _rope(q[..., R:], cos, sin, bool(d["interleave"]))], -1)
-        kv = torch.cat([_norm(kv_raw[:, :R], w["kv_norm"], eps), _rope(kv_raw[:, R:], cos, sin, bool(d["interleave"]))], -1)
+        q = torch.cat([q[..., :R], rope_ref(q[..., R:], cos, sin, bool(d["interleave"]))], -1)
+        kv = torch.cat([_norm(kv_raw[:, :R], w["kv_norm"], eps), rope_ref(kv_raw[:, R:], cos, sin, bool(d["interleave"]))], -1)
         cache.view(-1, R + P).index_copy_(0, slot_mapping, kv.to(cache.dtype))
         o = _attention(q, cache, R, qs, block_tables, lens, scale)
         x = x + F.linear(o.reshape(T, nh * R), w["w_o"].float())

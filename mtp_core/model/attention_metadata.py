@@ -35,6 +35,7 @@ class AttentionMetadata:
     tokens_per_block: int
 
     num_rows: int
+    query_start_i32: torch.Tensor | None = None   # [B+1] int32 (build() only: the native forward reads it)
 
     @classmethod
     def uniform(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables_i32: torch.Tensor,
@@ -126,7 +127,7 @@ class AttentionMetadata:
         i64 = torch.tensor([flat_pos, slot_mapping], dtype=torch.long).to(dev)
         i32 = torch.tensor(context_lens + query_start + [b for t in block_tables for b in t + [0] * (max_blocks - len(t))],
                            dtype=torch.int32).to(dev)
-        meta = cls(
+        return cls(
             positions=i64[0],
             slot_mapping=i64[1],
             query_start=query_start,
@@ -139,6 +140,5 @@ class AttentionMetadata:
             block_tables=block_tables,
             tokens_per_block=tokens_per_block,
             num_rows=len(positions),
+            query_start_i32=i32[B:2 * B + 1],
         )
-        meta.__dict__["_query_start_i32"] = i32[B:2 * B + 1]
-        return meta

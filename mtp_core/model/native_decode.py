@@ -140,9 +140,9 @@ class NativeDecoder:
 
     # ---- serving -------------------------------------------------------------------------
     def accepts(self, meta: AttentionMetadata) -> bool:
-        """Serving forwards with host metadata (not the device-only AttentionMetadata.uniform of the graph
-        step), no autograd, at most MAX_TOKENS tokens."""
-        if not meta.row_positions or torch.is_grad_enabled() or meta.query_start[-1] > MAX_TOKENS:
+        """Serving forwards with host metadata (AttentionMetadata.build, not the device-only uniform() of the
+        graph step), no autograd, at most MAX_TOKENS tokens."""
+        if meta.query_start_i32 is None or torch.is_grad_enabled() or meta.query_start[-1] > MAX_TOKENS:
             return False
         if max(meta.context_lens) > self._rope_len:
             self._grow_rope(max(meta.context_lens) + 256)
@@ -150,11 +150,9 @@ class NativeDecoder:
 
     def _call(self, ids: torch.Tensor, hidden: Optional[torch.Tensor], weights: list[torch.Tensor],
               caches: list[torch.Tensor], meta: AttentionMetadata, final_norm: Optional[torch.Tensor]) -> torch.Tensor:
-        qs = meta.__dict__.get("_query_start_i32")
-        if qs is None:
-            qs = meta.__dict__["_query_start_i32"] = torch.tensor(meta.query_start, dtype=torch.int32)
         return kernels.decode_forward(ids, self.embed, hidden, weights, self.dims, self.fparams, caches,
-                                      self.rope_cos, self.rope_sin, meta.positions, meta.slot_mapping, qs,
+                                      self.rope_cos, self.rope_sin, meta.positions, meta.slot_mapping,
+                                      meta.query_start_i32,
                                       meta.block_tables_i32, meta.seqlens_i32, final_norm)
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]) -> torch.Tensor:
