@@ -95,3 +95,25 @@ def test_family_mix_segments_change_the_batches_from_their_start_step() -> None:
     mixed = replace(base, mix_segments=((2, (("add", 1.0), ("sub", 0.0), ("mul", 0.0))),))
     assert torch.equal(batch_for_step(tok, base, 1), batch_for_step(tok, mixed, 1))       # before the start
     assert not torch.equal(batch_for_step(tok, base, 2), batch_for_step(tok, mixed, 2))   # from it on
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_depth_attention_equals_the_masked_full_attention(depth: int) -> None:
+    """The training objective's attention (causal block + one diagonal key per chain form) computes what
+    attending over all forms' keys with depth_mask does."""
+    from mtp_core.train.mtp_objective import depth_attention
+
+    model = DeepseekV3ForCausalLM(ModelConfig.from_dict(tiny_config_dict(200, num_mtp=1)))
+    init_weights(model, 5)
+    attn = model.mtp_module(0).self_attn
+    S = 11
+    cos, sin = model.rope.cos_sin(torch.arange(S))
+    g = torch.Generator().manual_seed(depth)
+    xs = [torch.randn(2, S, model.config.hidden_size, generator=g) for _ in range(depth)]
+    with torch.no_grad():
+        q_nope, q_pe, _ = attn._project(xs[-1], model.rope, cos, sin)
+        kvs = [attn.project_kv(x, model.rope, cos, sin) for x in xs]
+        ref = attn.attend(q_nope, q_pe, torch.cat(kvs, dim=1), depth_mask(S, depth, torch.device("cpu")).expand(2, -1, -1),
+                          absorbed=False)
+        out = depth_attention(attn, q_nope, q_pe, kvs)
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)

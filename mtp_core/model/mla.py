@@ -188,9 +188,9 @@ class MLAttention(nn.Module):
                       absorbed: bool = False) -> torch.Tensor:
         """Training / reference path without a cache: x [B, S, hidden], causal within each row."""
         q_nope, q_pe, kv = self._project(x, rope, cos, sin)
-        S = x.shape[1]
-        mask = torch.ones(S, S, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], S, S)
         if absorbed:
+            S = x.shape[1]
+            mask = torch.ones(S, S, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], S, S)
             out = self.attend(q_nope, q_pe, kv, mask, True)
         else:
             out = self._dense_sdpa(q_nope, q_pe, kv)
@@ -203,5 +203,10 @@ class MLAttention(nn.Module):
         k_nope, v = kvb.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)                # [B, H, S, dq]
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1).transpose(1, 2)
+        dv = v.shape[-1]
+        if dv < q.shape[-1]:
+            # zero columns make v as wide as q/k: the output's first dv columns are unchanged, and PyTorch's
+            # CPU flash kernel (causal blocks skipped, no S x S matrix) only takes equal head dims
+            v = F.pad(v, (0, q.shape[-1] - dv))
         out = F.scaled_dot_product_attention(q, k, v.transpose(1, 2), is_causal=True, scale=self.softmax_scale)
-        return out.transpose(1, 2)                                            # [B, S, H, dv]
+        return out[..., :dv].transpose(1, 2)                                  # [B, S, H, dv]

@@ -28,6 +28,41 @@ def depth_mask(num_pos: int, depth: int, device: torch.device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def depth_attention(attn, q_nope: torch.Tensor, q_pe: torch.Tensor, kvs: list[torch.Tensor]) -> torch.Tensor:
+    """What `attn.attend(q, cat(kvs), depth_mask(...))` computes, without materialising the masked keys:
+    the form-1 keys are a causal block shifted by depth-1 (a [S, S] score matrix), and each form e >= 2
+    contributes one key per query (q = p-depth+e), scored elementwise; one softmax over both.
+    q_nope [B, S, H, dn], q_pe [B, S, H, dr], kvs[e-1] [B, S, r+dr] -> [B, S, H, dv]."""
+    depth, (B, S, H, _) = len(kvs), q_nope.shape
+
+    def split(kv: torch.Tensor, shift: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if shift:   # key q = p - shift seen from query p (zeros where q < 0; masked below)
+            kv = torch.cat([kv.new_zeros(B, shift, kv.shape[-1]), kv[:, :S - shift]], dim=1)
+        ckv, k_pe = kv.split([attn.kv_lora_rank, attn.qk_rope_head_dim], dim=-1)
+        k_nope, v = attn.kv_b_proj(ckv).view(B, S, H, -1).split([attn.qk_nope_head_dim, attn.v_head_dim], dim=-1)
+        return k_nope, k_pe, v
+
+    k_nope, k_pe, v1 = split(kvs[0], 0)
+    scores = torch.matmul(q_nope.transpose(1, 2), k_nope.permute(0, 2, 3, 1))         # [B, H, S, S]
+    scores = scores + torch.matmul(q_pe.transpose(1, 2), k_pe.unsqueeze(1).transpose(-1, -2))
+    p = torch.arange(S, device=q_nope.device)
+    hidden = [p[None, :] > p[:, None] - depth + 1]                                      # form 1: q <= p-depth+1
+    extra_v = []
+    for e in range(2, depth + 1):
+        shift = depth - e
+        k_nope_e, k_pe_e, v_e = split(kvs[e - 1], shift)
+        s_e = (q_nope * k_nope_e).sum(-1) + (q_pe * k_pe_e.unsqueeze(2)).sum(-1)        # [B, S, H]
+        scores = torch.cat([scores, s_e.transpose(1, 2).unsqueeze(-1).to(scores.dtype)], dim=-1)
+        hidden.append((p < shift)[:, None])
+        extra_v.append(v_e)
+    scores = (scores * attn.softmax_scale).masked_fill_(torch.cat(hidden, dim=1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)        # [B, H, S, S+depth-1]
+    out = torch.matmul(probs[..., :S], v1.transpose(1, 2)).transpose(1, 2)             # [B, S, H, dv]
+    for i, v_e in enumerate(extra_v):
+        out = out + probs[..., S + i].transpose(1, 2).unsqueeze(-1) * v_e
+    return out
+
+
 def mtp_depth_forward(model: DeepseekV3ForCausalLM, module: MTPModule, emb: torch.Tensor,
                       hiddens: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """emb [B, S, H] (embeddings of x_{p+1}); hiddens[e-1] [B, S, H] the hidden of input form e.
@@ -37,9 +72,8 @@ def mtp_depth_forward(model: DeepseekV3ForCausalLM, module: MTPModule, emb: torc
     normed = [module.input_layernorm(x) for x in xs]
     attn = module.self_attn
     q_nope, q_pe, kv_last = attn._project(normed[-1], model.rope, cos, sin)
-    keys = torch.cat([attn.project_kv(n, model.rope, cos, sin) for n in normed[:-1]] + [kv_last], dim=1)
-    mask = depth_mask(emb.shape[1], depth, emb.device).expand(emb.shape[0], -1, -1)
-    out = attn.attend(q_nope, q_pe, keys, mask, absorbed=False)                # [B, S, Hd, dv]
+    kvs = [attn.project_kv(n, model.rope, cos, sin) for n in normed[:-1]] + [kv_last]
+    out = depth_attention(attn, q_nope, q_pe, kvs)                               # [B, S, Hd, dv]
     x = xs[-1] + attn.o_proj(out.reshape(*emb.shape[:2], -1))
     x = x + module.mlp(module.post_attention_layernorm(x))
     return module.shared_head.norm(x)
