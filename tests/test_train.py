@@ -117,3 +117,22 @@ def test_depth_attention_equals_the_masked_full_attention(depth: int) -> None:
                           absorbed=False)
         out = depth_attention(attn, q_nope, q_pe, kvs)
     assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-5)
+
+
+def test_init_from_starts_at_the_given_weights_and_rejects_a_misfit(tmp_path: Path) -> None:
+    """Recipe.init_from: step 0 starts from a checkpoint's weights (not the random init); a checkpoint of
+    another shape, or a directory without weights, is a one-line error."""
+    from safetensors.torch import load_file
+
+    base = replace(RECIPES["smoke"], steps=1, save_every=1)
+    train(base, tmp_path / "src", echo=lambda s: None)
+    src = tmp_path / "src" / "model"
+    out = tmp_path / "cont"
+    train(replace(base, name="smoke-cont", init_from=str(src), lr=0.0, lr_segments=((1, "constant", 0.0),)), out,
+          echo=lambda s: None)
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k].float(), b[k].float()) for k in a if "correction_bias" not in k)
+    with pytest.raises(ValueError, match="does not fit"):
+        train(replace(base, name="misfit", hidden_size=48, init_from=str(src)), tmp_path / "misfit", echo=lambda s: None)
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        train(replace(base, name="nowhere", init_from=str(tmp_path / "nowhere")), tmp_path / "x", echo=lambda s: None)

@@ -97,6 +97,22 @@ def balance_experts(model: DeepseekV3ForCausalLM, speed: float) -> None:
                 m.load_counts = None
 
 
+def _init_from_checkpoint(model: DeepseekV3ForCausalLM, source: str, echo: Callable[[str], None]) -> None:
+    """Start from trained weights (a shipped asset's name, or a checkpoint directory) instead of the random
+    init: every tensor of the model must be there with the same shape (weights only from safetensors)."""
+    assets = Path(__file__).resolve().parent.parent / "assets"
+    src = assets / source if (assets / source / "model.safetensors").is_file() else Path(source)
+    if not (src / "model.safetensors").is_file():
+        raise ValueError(f"init_from={source!r}: no model.safetensors there; name a shipped asset or a checkpoint dir")
+    weights = load_file(str(src / "model.safetensors"))
+    own = model.state_dict()
+    bad = sorted(k for k in own if k not in weights or weights[k].shape != own[k].shape)
+    if bad:
+        raise ValueError(f"init_from={source!r} does not fit this recipe's shape (first mismatch: {bad[0]})")
+    model.load_state_dict({k: weights[k].to(own[k].dtype) for k in own})
+    echo(f"initialised from {src}")
+
+
 def _save_state(state_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, history: list) -> None:
     tmp = state_dir.with_name(state_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -153,6 +169,8 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
     torch.manual_seed(recipe.seed)
     model = DeepseekV3ForCausalLM(ModelConfig.from_dict(cfg_dict)).to(device)
     init_weights(model, recipe.seed)
+    if recipe.init_from:
+        _init_from_checkpoint(model, recipe.init_from, echo)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "gate.weight" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "gate.weight" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
