@@ -104,13 +104,26 @@ RECIPES = {
     # linear decay (the evaluated checkpoint in the v2 notes; not shipped)
     "tiny-r1-v2-short": replace(TINY_R1_V2, name="tiny-r1-v2-short", tokenizer_from="tiny-r1", steps=1800,
                                 lr_segments=((1500, "constant", 3e-3), (1800, "linear", 3e-3, 1e-4))),
-    # wave-2 session-2 candidates, trained side by side on one core each (the winner becomes tiny-r1)
+    # from-scratch candidates of this round (see the v2 notes in the closing note): 4 layers x d256; the learning
+    # rate doubled at step 2,460 (the earlier d128 run at 3e-3 had been ahead)
     "tiny-r1-v2a": replace(TINY_R1_V2, name="tiny-r1-v2a", tokenizer_from="tiny-r1", hidden_size=256, q_lora_rank=128,
                            intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48, v_head_dim=48,
-                           lr=2e-3, steps=20000, lr_segments=((20000, "constant", 2e-3),)),
-    "tiny-r1-v2b": replace(TINY_R1_V2, name="tiny-r1-v2b", tokenizer_from="tiny-r1", hidden_size=192, num_layers=6,
-                           q_lora_rank=96, intermediate_size=512, moe_intermediate_size=128,
-                           lr=2e-3, steps=20000, lr_segments=((20000, "constant", 2e-3),)),
+                           lr=2e-3, steps=20000, lr_segments=((2460, "constant", 2e-3), (20000, "constant", 4e-3))),
+    # v2a's constant phase, then a linear decay over 1400 steps (the evaluated branch)
+    "tiny-r1-v2a-decay": replace(TINY_R1_V2, name="tiny-r1-v2a-decay", tokenizer_from="tiny-r1", hidden_size=256,
+                                 q_lora_rank=128, intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48,
+                                 v_head_dim=48, lr=2e-3, steps=5820,
+                                 lr_segments=((2460, "constant", 2e-3), (4420, "constant", 4e-3), (5820, "linear", 4e-3, 1e-4))),
+    # v2a's shape at v2a's later learning rate (4e-3) from step 0: does the copying phase change come sooner?
+    "tiny-r1-v2d": replace(TINY_R1_V2, name="tiny-r1-v2d", tokenizer_from="tiny-r1", hidden_size=256, q_lora_rank=128,
+                           intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48, v_head_dim=48,
+                           lr=4e-3, warmup_steps=100, steps=20000, lr_segments=((20000, "constant", 4e-3),)),
+    # v1's shape and batch (8 layers, d192, 12 x 384 tokens, MTP losses on every row) from scratch on the v2 data:
+    # v1 formed its copying behaviour at steps ~500-750 (~3M tokens; its loss curve), the 4-layer runs had not by 5M
+    "tiny-r1-v2c": replace(TINY_R1_V2, name="tiny-r1-v2c", tokenizer_from="tiny-r1", hidden_size=192, num_layers=8,
+                           q_lora_rank=96, intermediate_size=512, moe_intermediate_size=128, seq_len=384, batch_size=12,
+                           mtp_batch_fraction=1.0, lr=2e-3, warmup_steps=60, steps=20000,
+                           lr_segments=((20000, "constant", 2e-3),)),
     # v1's shipped weights continued on the v2 data (not from scratch: a comparison run, see the v2 notes)
     "tiny-r1-v1cont": Recipe(name="tiny-r1-v1cont", tokenizer_from="tiny-r1", init_from="tiny-r1", seq_len=512,
                              batch_size=4, steps=20000, lr=1e-3, warmup_steps=30, lr_segments=((20000, "constant", 1e-3),),
