@@ -334,3 +334,18 @@ def test_peers_match_our_greedy(tiny3_dir: Path, tiny3_model) -> None:
                         reference=[r.output_ids for r in ours])
     assert [x["name"] for x in rows] == ["hf-generate", "hf-prompt-lookup(10)"]
     assert all(x["identical_to_ours"] == 2 and x["per_user_output_throughput_tps"] > 0 for x in rows)
+
+
+def test_forward_costs_with_a_prompt_longer_than_one_kv_block(tiny3_model) -> None:
+    """The sweep's one-MTP-forward / one-main-forward line times at the prompt's last position: with a
+    prompt past the first KV block it used to index a freed (empty) block table (`mtp sweep --task_set
+    general` crashed with IndexError)."""
+    from mtp_core.bench.sweep import forward_costs
+    from mtp_core.config import LLMConfig, SpeculativeConfig
+
+    base = LLMConfig(model_dir="unused", speculative_config=SpeculativeConfig(num_nextn_predict_layers=0),
+                     max_batch_size=1)
+    engine_block = 64
+    prompt = [(7 * i) % 200 + 10 for i in range(3 * engine_block + 5)]
+    out = forward_costs(tiny3_model, base, [2], prompt, repeats=5)
+    assert out["main_forward_ms"] > 0 and out["mtp_forward_ms"] > 0 and out["mtp_over_main"] > 0

@@ -136,3 +136,21 @@ def test_init_from_starts_at_the_given_weights_and_rejects_a_misfit(tmp_path: Pa
         train(replace(base, name="misfit", hidden_size=48, init_from=str(src)), tmp_path / "misfit", echo=lambda s: None)
     with pytest.raises(ValueError, match="no model.safetensors"):
         train(replace(base, name="nowhere", init_from=str(tmp_path / "nowhere")), tmp_path / "x", echo=lambda s: None)
+
+
+def test_copy_probe_script_reads_a_run_and_rejects_a_directory_without_state(tmp_path: Path) -> None:
+    """scripts/probe_copy.py: question vs reasoning digit loss from a run's saved state, one JSON line appended."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    train(replace(RECIPES["smoke"], steps=1, save_every=1), tmp_path / "run", echo=lambda s: None)
+    cmd = [sys.executable, str(repo / "scripts" / "probe_copy.py"), "--per_family", "1"]
+    r = subprocess.run(cmd + [str(tmp_path / "run")], capture_output=True, text=True, cwd=repo, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["step"] == 1 and res["question_digit_nll"] > 0 and res["reasoning_digit_nll"] > 0
+    assert set(res["reasoning_digit_nll_per_family"]) == set(FAMILIES)
+    assert (tmp_path / "run" / "copy_probe.jsonl").read_text().count("\n") == 1
+    bad = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True, cwd=repo, timeout=300)
+    assert bad.returncode != 0 and "no saved training state" in bad.stderr
