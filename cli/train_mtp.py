@@ -1,5 +1,5 @@
 """`mtp train-mtp`: fine-tune (or add with --add_mtp N) a checkpoint's MTP modules by self-distillation from
-its frozen main model; main tensors are written byte for byte (see mtp_core/train/mtp_finetune.py)."""
+its frozen main model; main tensors are written byte for byte (see mtp_core/train/mtp_finetune/)."""
 from __future__ import annotations
 
 from pathlib import Path
