@@ -114,6 +114,11 @@ RECIPES = {
                                  q_lora_rank=128, intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48,
                                  v_head_dim=48, lr=2e-3, steps=5820,
                                  lr_segments=((2460, "constant", 2e-3), (4420, "constant", 4e-3), (5820, "linear", 4e-3, 1e-4))),
+    # the same later: v2a's constant phase to step 6120, then a linear decay over 1000 steps (a second evaluated branch)
+    "tiny-r1-v2a-decay2": replace(TINY_R1_V2, name="tiny-r1-v2a-decay2", tokenizer_from="tiny-r1", hidden_size=256,
+                                  q_lora_rank=128, intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48,
+                                  v_head_dim=48, lr=2e-3, steps=7120,
+                                  lr_segments=((2460, "constant", 2e-3), (6120, "constant", 4e-3), (7120, "linear", 4e-3, 1e-4))),
     # v2a's shape at v2a's later learning rate (4e-3) from step 0: does the copying phase change come sooner?
     "tiny-r1-v2d": replace(TINY_R1_V2, name="tiny-r1-v2d", tokenizer_from="tiny-r1", hidden_size=256, q_lora_rank=128,
                            intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48, v_head_dim=48,
