@@ -24,7 +24,7 @@ from mtp_core.config import ModelConfig
 from mtp_core.data import FAMILIES
 from mtp_core.data.dataset import sample_example
 from mtp_core.model import DeepseekV3ForCausalLM
-from mtp_core.train.recipes import Recipe
+from mtp_core.train.trainer import run_model_config
 
 ap = argparse.ArgumentParser()
 ap.add_argument("run_dir")
@@ -35,11 +35,8 @@ torch.set_num_threads(args.threads)
 run = Path(args.run_dir)
 if not (run / "state" / "state.json").is_file():
     raise SystemExit(f"error: {run}/state has no saved training state; give the directory passed to `mtp train --out`")
-rec = json.loads((run / "recipe.json").read_text())
-recipe = Recipe(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in rec.items()})
+_, cfg = run_model_config(run)
 tok = Tokenizer.from_file(str(run / "tokenizer" / "tokenizer.json"))
-cfg = recipe.model_config(tok.get_vocab_size(), tok.token_to_id("<｜begin▁of▁sentence｜>"),
-                          tok.token_to_id("<｜end▁of▁sentence｜>"))
 model = DeepseekV3ForCausalLM(ModelConfig.from_dict(cfg))
 model.load_state_dict(load_file(str(run / "state" / "model.safetensors")))
 model.eval()

@@ -37,13 +37,8 @@ weights = load_file(str(run / "state" / "model.safetensors"))
 tmp = Path(tempfile.mkdtemp(prefix="probe-"))
 try:
     # a loadable checkpoint directory from the state (the config as the trainer writes it)
-    from mtp_core.train.recipes import Recipe
-    rec = json.loads((run / "recipe.json").read_text())
-    recipe = Recipe(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in rec.items()})
-    from tokenizers import Tokenizer as HFTokenizer
-    tok = HFTokenizer.from_file(str(run / "tokenizer" / "tokenizer.json"))
-    cfg = recipe.model_config(tok.get_vocab_size(), tok.token_to_id("<｜begin▁of▁sentence｜>"),
-                              tok.token_to_id("<｜end▁of▁sentence｜>"))
+    from mtp_core.train.trainer import run_model_config
+    _, cfg = run_model_config(run)
     cfg["torch_dtype"] = "float32"
     from safetensors.torch import save_file
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})

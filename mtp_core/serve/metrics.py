@@ -41,18 +41,14 @@ def render_metrics(loop: Any, model_name: str) -> str:
     reasons = dict(c.requests_by_reason)
     pc = getattr(blocks, "stats", None)
     if pc is not None:   # prefix caching (kv_cache_config.enable_block_reuse)
-        metric("mtp_prefix_cache_queries_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.",
-               [("", pc.prompt_tokens)])
-        metric("mtp_prefix_cache_hits_tokens_total", "counter", "Prompt tokens served from the prefix cache.",
-               [("", pc.reused_tokens)])
-        metric("mtp_prefix_cache_queries_blocks_total", "counter", "Full prompt blocks looked up.",
-               [("", pc.queried_blocks)])
-        metric("mtp_prefix_cache_hits_blocks_total", "counter", "Full prompt blocks found in the cache.",
-               [("", pc.hit_blocks)])
-        metric("mtp_prefix_cache_token_hit_rate", "gauge", "Reused / looked-up prompt tokens.",
-               [("", pc.token_hit_rate)])
-        metric("mtp_prefix_cache_evicted_blocks_total", "counter", "Cached blocks evicted for new contents.",
-               [("", pc.evicted_blocks)])
+        for name, kind, text, value in (
+                ("queries_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.", pc.prompt_tokens),
+                ("hits_tokens_total", "counter", "Prompt tokens served from the prefix cache.", pc.reused_tokens),
+                ("queries_blocks_total", "counter", "Full prompt blocks looked up.", pc.queried_blocks),
+                ("hits_blocks_total", "counter", "Full prompt blocks found in the cache.", pc.hit_blocks),
+                ("token_hit_rate", "gauge", "Reused / looked-up prompt tokens.", pc.token_hit_rate),
+                ("evicted_blocks_total", "counter", "Cached blocks evicted for new contents.", pc.evicted_blocks)):
+            metric(f"mtp_prefix_cache_{name}", kind, text, [("", value)])
     metric("mtp_request_success_total", "counter", "Finished requests by finish reason (abort: client gone).",
            [(f',finished_reason="{r}"', n) for r, n in sorted(reasons.items())] or [(',finished_reason="stop"', 0)])
     metric("mtp_request_failure_total", "counter", "Requests whose generation raised.", [("", c.requests_failed)])

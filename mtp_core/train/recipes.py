@@ -98,6 +98,17 @@ TINY_R1_V2 = Recipe(
     lr_segments=((2400, "constant", 3e-3), (2900, "linear", 3e-3, 1e-4)), mix_segments=((0, _V2_EARLY), (150, _V2_LATE)),
     general_fraction=0.03, drill_fraction=0.04, mtp_batch_fraction=0.5, autocast_bf16=True, save_every=20, num_threads=1, seed=0)
 
+_V2A = replace(TINY_R1_V2, name="tiny-r1-v2a", tokenizer_from="tiny-r1", hidden_size=256, q_lora_rank=128,
+               intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48, v_head_dim=48, lr=2e-3,
+               steps=20000, lr_segments=((2460, "constant", 2e-3), (20000, "constant", 4e-3)))
+
+
+def _v2a_decayed(name: str, start: int, length: int) -> Recipe:
+    """v2a's constant phase up to `start`, then a linear decay 4e-3 -> 1e-4 over `length` steps."""
+    return replace(_V2A, name=name, steps=start + length, lr_segments=(
+        (2460, "constant", 2e-3), (start, "constant", 4e-3), (start + length, "linear", 4e-3, 1e-4)))
+
+
 RECIPES = {
     "tiny-r1": TINY_R1_V2,
     # what this session's CPU share allowed: v2 branched off its constant-LR phase at step 1,500 into a 300-step
@@ -106,23 +117,13 @@ RECIPES = {
                                 lr_segments=((1500, "constant", 3e-3), (1800, "linear", 3e-3, 1e-4))),
     # from-scratch candidates of this round (see the v2 notes in the closing note): 4 layers x d256; the learning
     # rate doubled at step 2,460 (the earlier d128 run at 3e-3 had been ahead)
-    "tiny-r1-v2a": replace(TINY_R1_V2, name="tiny-r1-v2a", tokenizer_from="tiny-r1", hidden_size=256, q_lora_rank=128,
-                           intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48, v_head_dim=48,
-                           lr=2e-3, steps=20000, lr_segments=((2460, "constant", 2e-3), (20000, "constant", 4e-3))),
-    # v2a's constant phase, then a linear decay over 1400 steps (the evaluated branch)
-    "tiny-r1-v2a-decay": replace(TINY_R1_V2, name="tiny-r1-v2a-decay", tokenizer_from="tiny-r1", hidden_size=256,
-                                 q_lora_rank=128, intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48,
-                                 v_head_dim=48, lr=2e-3, steps=5820,
-                                 lr_segments=((2460, "constant", 2e-3), (4420, "constant", 4e-3), (5820, "linear", 4e-3, 1e-4))),
-    # the same later: v2a's constant phase to step 6120, then a linear decay over 1000 steps (a second evaluated branch)
-    "tiny-r1-v2a-decay2": replace(TINY_R1_V2, name="tiny-r1-v2a-decay2", tokenizer_from="tiny-r1", hidden_size=256,
-                                  q_lora_rank=128, intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48,
-                                  v_head_dim=48, lr=2e-3, steps=7120,
-                                  lr_segments=((2460, "constant", 2e-3), (6120, "constant", 4e-3), (7120, "linear", 4e-3, 1e-4))),
+    "tiny-r1-v2a": _V2A,
+    # v2a's constant phase, then a linear decay over 1,400 steps (the evaluated branch) ...
+    "tiny-r1-v2a-decay": _v2a_decayed("tiny-r1-v2a-decay", 4420, 1400),
+    # ... and the same later, over 1,000 steps from step 6,120 (a second evaluated branch)
+    "tiny-r1-v2a-decay2": _v2a_decayed("tiny-r1-v2a-decay2", 6120, 1000),
     # v2a's shape at v2a's later learning rate (4e-3) from step 0: does the copying phase change come sooner?
-    "tiny-r1-v2d": replace(TINY_R1_V2, name="tiny-r1-v2d", tokenizer_from="tiny-r1", hidden_size=256, q_lora_rank=128,
-                           intermediate_size=640, moe_intermediate_size=160, qk_nope_head_dim=48, v_head_dim=48,
-                           lr=4e-3, warmup_steps=100, steps=20000, lr_segments=((20000, "constant", 4e-3),)),
+    "tiny-r1-v2d": replace(_V2A, name="tiny-r1-v2d", lr=4e-3, warmup_steps=100, lr_segments=((20000, "constant", 4e-3),)),
     # v1's shape and batch (8 layers, d192, 12 x 384 tokens, MTP losses on every row) from scratch on the v2 data:
     # v1 formed its copying behaviour at steps ~500-750 (~3M tokens; its loss curve), the 4-layer runs had not by 5M
     "tiny-r1-v2c": replace(TINY_R1_V2, name="tiny-r1-v2c", tokenizer_from="tiny-r1", hidden_size=192, num_layers=8,

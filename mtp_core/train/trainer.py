@@ -97,6 +97,21 @@ def balance_experts(model: DeepseekV3ForCausalLM, speed: float) -> None:
                 m.load_counts = None
 
 
+def run_model_config(run_dir: Path) -> tuple[Recipe, dict]:
+    """(recipe, config.json dict) of a `mtp train --out` directory, from its recipe.json and tokenizer, as the
+    trainer built them (for reading a run's saved state while it trains)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    rec = json.loads((run_dir / "recipe.json").read_text())
+    recipe = Recipe(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in rec.items()})
+    tok = HFTokenizer.from_file(str(run_dir / "tokenizer" / "tokenizer.json"))
+    return recipe, recipe.model_config(tok.get_vocab_size(), *_bos_eos(tok))
+
+
+def _bos_eos(tok) -> tuple[int, int]:
+    return tok.token_to_id("<｜begin▁of▁sentence｜>"), tok.token_to_id("<｜end▁of▁sentence｜>")
+
+
 def _init_from_checkpoint(model: DeepseekV3ForCausalLM, source: str, echo: Callable[[str], None]) -> None:
     """Start from trained weights (a shipped asset's name, or a checkpoint directory) instead of the random
     init: every tensor of the model must be there with the same shape (weights only from safetensors)."""
@@ -163,20 +178,20 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
         else:
             build_tokenizer(recipe, tok_dir)
     tok = HFTokenizer.from_file(str(tok_dir / "tokenizer.json"))
-    bos, eos = tok.token_to_id("<｜begin▁of▁sentence｜>"), tok.token_to_id("<｜end▁of▁sentence｜>")
+    bos, eos = _bos_eos(tok)
     cfg_dict = recipe.model_config(tok.get_vocab_size(), bos, eos)
     (out_dir / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2))
     torch.manual_seed(recipe.seed)
     model = DeepseekV3ForCausalLM(ModelConfig.from_dict(cfg_dict)).to(device)
     init_weights(model, recipe.seed)
-    if recipe.init_from:
-        _init_from_checkpoint(model, recipe.init_from, echo)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "gate.weight" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "gate.weight" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
     state_dir = out_dir / "state"
     step, history = (_load_state(state_dir, model, opt) if (state_dir / "state.json").is_file() else (0, []))
+    if not step and recipe.init_from:   # a resumed run has its own weights in the state
+        _init_from_checkpoint(model, recipe.init_from, echo)
     if step:
         echo(f"resuming {recipe.name} from step {step}")
     last = min(recipe.steps, max_steps if max_steps is not None else recipe.steps)
