@@ -98,7 +98,7 @@ def _expected_default_answers() -> dict[str, str]:
             out[p] = re.search(r'"([a-z]+)"', p).group(1)[::-1]
         elif " - " in p:
             out[p] = str(nums[0] - nums[1])
-        elif "×" in p:
+        elif "×" in p or " * " in p:
             out[p] = str(nums[0] * nums[1])
         else:
             raise AssertionError(f"no reference rule for default prompt {p!r}")

@@ -44,3 +44,16 @@ def test_v2_recipe_keeps_the_deepseek_v3_shape() -> None:
     assert cfg["num_nextn_predict_layers"] == 3 and r.eagle_depth == 3
     assert r.lr_segments[-1][0] == r.steps
     assert RECIPES["tiny-r1-v1"].num_layers == 8 and RECIPES["tiny-r1-v1"].tokenizer_from == "tiny-r1"
+
+
+def test_loss_curve_smoothing_is_a_trailing_mean() -> None:
+    from mtp_core.train.model_card import running_mean, smoothed_history
+
+    assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert running_mean([2.0, 4.0], 1) == [2.0, 4.0]
+    hist = [{"step": i + 1, "main_loss": 1.0 + i % 2, "mtp_loss": [1.0, 2.0, 3.0], "eagle_loss": [1.0, 2.0],
+             "mtp_acc": [0.5, 0.5, 0.5], "eagle_acc": [0.5, 0.5]} for i in range(300)]
+    smooth, window = smoothed_history(hist)
+    assert window == 3 and hist[1]["main_loss"] == 2.0                      # the input is not modified
+    assert smooth[1]["main_loss"] == 1.5 and abs(smooth[4]["main_loss"] - 4 / 3) < 1e-12 and abs(smooth[5]["main_loss"] - 5 / 3) < 1e-12
+    assert smooth[-1]["mtp_loss"] == [1.0, 2.0, 3.0] and smooth[-1]["step"] == 300

@@ -93,7 +93,7 @@ _V2_EARLY = (("add", 0.24), ("sub", 0.18), ("mul", 0.20), ("sort", 0.08), ("coun
 _V2_LATE = (("add", 0.17), ("sub", 0.15), ("mul", 0.18), ("sort", 0.16), ("count", 0.09), ("compare", 0.07),
             ("max", 0.06), ("reverse", 0.09), ("parity", 0.03))
 TINY_R1_V2 = Recipe(
-    name="tiny-r1", num_layers=4, hidden_size=128, q_lora_rank=64, intermediate_size=384, moe_intermediate_size=96,
+    name="tiny-r1-v2-d128", tokenizer_from="tiny-r1", num_layers=4, hidden_size=128, q_lora_rank=64, intermediate_size=384, moe_intermediate_size=96,
     seq_len=512, batch_size=4, steps=2900, lr=3e-3, warmup_steps=30,
     lr_segments=((2400, "constant", 3e-3), (2900, "linear", 3e-3, 1e-4)), mix_segments=((0, _V2_EARLY), (150, _V2_LATE)),
     general_fraction=0.03, drill_fraction=0.04, mtp_batch_fraction=0.5, autocast_bf16=True, save_every=20, num_threads=1, seed=0)
@@ -109,8 +109,14 @@ def _v2a_decayed(name: str, start: int, length: int) -> Recipe:
         (2460, "constant", 2e-3), (start, "constant", 4e-3), (start + length, "linear", 4e-3, 1e-4)))
 
 
+# The shipped model (v2): v2a's run (4 layers x d256; 2e-3, doubled to 4e-3 at step 2,460) to step 10,420, then a
+# linear decay to 1e-4 over 3,000 steps. The decay ran on 2 threads (the constant phase on 1).
+TINY_R1 = replace(_v2a_decayed("tiny-r1", 10420, 3000), tokenizer_from="tiny-r1", num_threads=2)
+
 RECIPES = {
-    "tiny-r1": TINY_R1_V2,
+    "tiny-r1": TINY_R1,
+    # the first v2 attempt (4 layers x d128), the shipped recipe's name before v2a
+    "tiny-r1-v2-d128": TINY_R1_V2,
     # what this session's CPU share allowed: v2 branched off its constant-LR phase at step 1,500 into a 300-step
     # linear decay (the evaluated checkpoint in the v2 notes; not shipped)
     "tiny-r1-v2-short": replace(TINY_R1_V2, name="tiny-r1-v2-short", tokenizer_from="tiny-r1", steps=1800,
@@ -122,6 +128,8 @@ RECIPES = {
     "tiny-r1-v2a-decay": _v2a_decayed("tiny-r1-v2a-decay", 4420, 1400),
     # ... and the same later, over 1,000 steps from step 6,120 (a second evaluated branch)
     "tiny-r1-v2a-decay2": _v2a_decayed("tiny-r1-v2a-decay2", 6120, 1000),
+    # ... and from step 8,600 over 1,500 steps (this round's first branch)
+    "tiny-r1-v2a-decay3": _v2a_decayed("tiny-r1-v2a-decay3", 8600, 1500),
     # v2a's shape at v2a's later learning rate (4e-3) from step 0: does the copying phase change come sooner?
     "tiny-r1-v2d": replace(_V2A, name="tiny-r1-v2d", lr=4e-3, warmup_steps=100, lr_segments=((20000, "constant", 4e-3),)),
     # v1's shape and batch (8 layers, d192, 12 x 384 tokens, MTP losses on every row) from scratch on the v2 data:
