@@ -138,7 +138,8 @@ RECIPES = {
                            q_lora_rank=96, intermediate_size=512, moe_intermediate_size=128, seq_len=384, batch_size=12,
                            mtp_batch_fraction=1.0, lr=2e-3, warmup_steps=60, steps=20000,
                            lr_segments=((20000, "constant", 2e-3),)),
-    # v1's shipped weights continued on the v2 data (not from scratch: a comparison run, see the v2 notes)
+    # v1's shipped weights continued on the v2 data (not from scratch: a comparison run, see the v2 notes; it ran
+    # while v1 was the asset named tiny-r1, so init_from now starts it from v2 instead)
     "tiny-r1-v1cont": Recipe(name="tiny-r1-v1cont", tokenizer_from="tiny-r1", init_from="tiny-r1", seq_len=512,
                              batch_size=4, steps=20000, lr=1e-3, warmup_steps=30, lr_segments=((20000, "constant", 1e-3),),
                              mix_segments=((0, _V2_LATE),), general_fraction=0.03, drill_fraction=0.04,
