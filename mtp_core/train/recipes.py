@@ -109,6 +109,10 @@ def _v2a_decayed(name: str, start: int, length: int) -> Recipe:
         (2460, "constant", 2e-3), (start, "constant", 4e-3), (start + length, "linear", 4e-3, 1e-4)))
 
 
+# the families v2 gets most wrong (count, compare, max, reverse, sub, mul) weighted up, addition down
+_V2_WEAK = (("add", 0.06), ("sub", 0.14), ("mul", 0.16), ("sort", 0.12), ("count", 0.18), ("compare", 0.12),
+            ("max", 0.10), ("reverse", 0.10), ("parity", 0.02))
+
 # The shipped model (v2): v2a's run (4 layers x d256; 2e-3, doubled to 4e-3 at step 2,460) to step 10,420, then a
 # linear decay to 1e-4 over 3,000 steps. The decay ran on 2 threads (the constant phase on 1).
 TINY_R1 = replace(_v2a_decayed("tiny-r1", 10420, 3000), tokenizer_from="tiny-r1", num_threads=2)
@@ -130,6 +134,9 @@ RECIPES = {
     "tiny-r1-v2a-decay2": _v2a_decayed("tiny-r1-v2a-decay2", 6120, 1000),
     # ... and from step 8,600 over 1,500 steps (this round's first branch)
     "tiny-r1-v2a-decay3": _v2a_decayed("tiny-r1-v2a-decay3", 8600, 1500),
+    # the shipped model's branch point, decayed over 1,500 steps with the weak families weighted up (an experiment)
+    "tiny-r1-v2a-weak": replace(_v2a_decayed("tiny-r1-v2a-weak", 10420, 1500),
+                                mix_segments=_V2A.mix_segments + ((10420, _V2_WEAK),)),
     # v2a's shape at v2a's later learning rate (4e-3) from step 0: does the copying phase change come sooner?
     "tiny-r1-v2d": replace(_V2A, name="tiny-r1-v2d", lr=4e-3, warmup_steps=100, lr_segments=((20000, "constant", 4e-3),)),
     # v1's shape and batch (8 layers, d192, 12 x 384 tokens, MTP losses on every row) from scratch on the v2 data:
