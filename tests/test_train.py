@@ -154,3 +154,37 @@ def test_copy_probe_script_reads_a_run_and_rejects_a_directory_without_state(tmp
     assert (tmp_path / "run" / "copy_probe.jsonl").read_text().count("\n") == 1
     bad = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True, cwd=repo, timeout=300)
     assert bad.returncode != 0 and "no saved training state" in bad.stderr
+
+
+def test_moe_window_experts_counts_distinct_experts(tiny3_dir, tmp_path) -> None:
+    """scripts/moe_window_experts.py: one token picks exactly top_k experts; a window never more than
+    min(n, W * top_k) nor fewer than top_k; the counts agree with a direct count of the gates' choices."""
+    import importlib.util
+
+    import torch
+
+    from mtp_core.loader import load_model
+    from mtp_core.model.moe import Gate
+
+    repo = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("mwe", repo / "scripts" / "moe_window_experts.py")
+    mwe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mwe)
+    model, _ = load_model(tiny3_dir)
+    n, k = model.config.n_routed_experts, model.config.num_experts_per_tok
+    ids = [[1, 5, 9, 13, 40, 41, 42, 60, 7, 8, 3, 4]]
+    got = mwe.window_experts(model, ids, [1, 2, 4])
+    assert got[1] == k and k <= got[2] <= min(n, 2 * k) and got[2] <= got[4] <= min(n, 4 * k)
+    # direct count: the gates' expert ids for the same forward, windows of 4
+    gates = [m for name, m in model.named_modules()
+             if isinstance(m, Gate) and int(name.split(".")[2]) < model.config.num_hidden_layers]
+    seen = []
+    hs = [g.register_forward_hook(lambda _m, _i, out: seen.append(out[1])) for g in gates]
+    with torch.no_grad():
+        model.forward_dense(torch.tensor(ids))
+    for h in hs:
+        h.remove()
+    direct = [len(set(idx[s:s + 4].flatten().tolist())) for idx in seen for s in range(idx.shape[0] - 3)]
+    assert seen and abs(got[4] - sum(direct) / len(direct)) < 1e-12
+    # hooks are removed afterwards
+    assert all(not g._forward_hooks for g in gates)
