@@ -124,3 +124,11 @@ def test_quickstart_default_prompts_are_answered_correctly_with_mtp() -> None:
         head, text = line.split(", Generated text: ", 1)
         assert ast.literal_eval(head.split("Prompt: ", 1)[1]) == prompt
         assert extract_answer(ast.literal_eval(text)) == answer, (prompt, text)
+
+
+def test_shipped_recipe_is_the_tiny_r1_recipe() -> None:
+    """`mtp train --recipe tiny-r1` trains what ships: the asset's recipe.json is that recipe, setting for setting."""
+    from mtp_core.train.recipes import RECIPES
+
+    shipped = json.loads((DEFAULT_MODEL_DIR / "recipe.json").read_text())
+    assert shipped == json.loads(json.dumps(RECIPES["tiny-r1"].to_dict()))
