@@ -134,7 +134,8 @@ RECIPES = {
     "tiny-r1-v2a-decay2": _v2a_decayed("tiny-r1-v2a-decay2", 6120, 1000),
     # ... and from step 8,600 over 1,500 steps (this round's first branch)
     "tiny-r1-v2a-decay3": _v2a_decayed("tiny-r1-v2a-decay3", 8600, 1500),
-    # a later branch of v2a: its state at step 12,040 decayed over 3,000 steps (a candidate for the next round)
+    # a later branch of v2a: its state at step 12,040 decayed over 3,000 steps (a candidate for the next round:
+    # 61% strict / 64% relaxed, 50 per family; the shipped model 58% / 61%)
     "tiny-r1-v2a-decay4": _v2a_decayed("tiny-r1-v2a-decay4", 12040, 3000),
     # the shipped model's branch point, decayed over 1,500 steps with the weak families weighted up (an experiment:
     # 51% strict / 57% relaxed vs the shipped 58% / 61%; addition fell 92% -> 66%, count 28% -> 20%)
