@@ -93,7 +93,8 @@ _V2_EARLY = (("add", 0.24), ("sub", 0.18), ("mul", 0.20), ("sort", 0.08), ("coun
 _V2_LATE = (("add", 0.17), ("sub", 0.15), ("mul", 0.18), ("sort", 0.16), ("count", 0.09), ("compare", 0.07),
             ("max", 0.06), ("reverse", 0.09), ("parity", 0.03))
 TINY_R1_V2 = Recipe(
-    name="tiny-r1-v2-d128", tokenizer_from="tiny-r1", num_layers=4, hidden_size=128, q_lora_rank=64, intermediate_size=384, moe_intermediate_size=96,
+    name="tiny-r1-v2-d128", tokenizer_from="tiny-r1", num_layers=4, hidden_size=128, q_lora_rank=64,
+    intermediate_size=384, moe_intermediate_size=96,
     seq_len=512, batch_size=4, steps=2900, lr=3e-3, warmup_steps=30,
     lr_segments=((2400, "constant", 3e-3), (2900, "linear", 3e-3, 1e-4)), mix_segments=((0, _V2_EARLY), (150, _V2_LATE)),
     general_fraction=0.03, drill_fraction=0.04, mtp_batch_fraction=0.5, autocast_bf16=True, save_every=20, num_threads=1, seed=0)
@@ -115,7 +116,7 @@ _V2_WEAK = (("add", 0.06), ("sub", 0.14), ("mul", 0.16), ("sort", 0.12), ("count
 
 # The shipped model (v2): v2a's run (4 layers x d256; 2e-3, doubled to 4e-3 at step 2,460) to step 10,420, then a
 # linear decay to 1e-4 over 3,000 steps. The decay ran on 2 threads (the constant phase on 1).
-TINY_R1 = replace(_v2a_decayed("tiny-r1", 10420, 3000), tokenizer_from="tiny-r1", num_threads=2)
+TINY_R1 = replace(_v2a_decayed("tiny-r1", 10420, 3000), num_threads=2)
 
 RECIPES = {
     "tiny-r1": TINY_R1,
