@@ -16,8 +16,8 @@ from typing import Iterator
 from mtp_core.chat_format import render_completion, render_prompt
 from mtp_core.data import general_text
 from mtp_core.data.arithmetic import render_fact_drill
-from mtp_core.data.phrasing import Trace, maybe, ngram_predictability
-from mtp_core.data.scoring import format_answer
+from mtp_core.data.phrasing import Trace, maybe, ngram_predictability, spelled
+from mtp_core.data.scoring import ANSWER_PREFIX, format_answer
 from mtp_core.data.tasks import FAMILY_SPECS, generate, render, sample_operands, split_of
 
 FAMILIES: list[str] = list(FAMILY_SPECS)
@@ -41,25 +41,28 @@ def _check_family(family: str) -> None:
 def build_example(family: str, trace: Trace, rng: random.Random) -> Example:
     """Render a trace; the final section is `The answer is X.`, sometimes after a restating line."""
     final = format_answer(trace.answer)
+    if trace.spelled_answer:    # "The answer is" + the answer tokenized a letter per token + "."
+        final = ANSWER_PREFIX + spelled(" " + trace.answer) + "."
     if trace.summary and maybe(rng, 0.5):
         final = f"{trace.summary}\n\n{final}"
     return Example(family, trace.question, trace.reasoning, trace.answer, render_prompt(trace.question),
                    render_completion(trace.reasoning, final))
 
 
-def sample_example(family: str, rng: random.Random, split: str = "train") -> Example:
+def sample_example(family: str, rng: random.Random, split: str = "train", style: int = 2) -> Example:
     _check_family(family)
-    return build_example(family, generate(family, rng, split), rng)
+    return build_example(family, generate(family, rng, split, style), rng)
 
 
-def example_for(family: str, operands: tuple, rng: random.Random) -> Example:
+def example_for(family: str, operands: tuple, rng: random.Random, style: int = 2) -> Example:
     """The example for fixed operands (e.g. `(123, 456)` for "add"); only the wording depends on `rng`."""
     _check_family(family)
-    return build_example(family, render(family, operands, rng), rng)
+    return build_example(family, render(family, operands, rng, style), rng)
 
 
 def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15,
-                   family_weights: dict[str, float] | None = None, drill_fraction: float = 0.0) -> Iterator[str]:
+                   family_weights: dict[str, float] | None = None, drill_fraction: float = 0.0,
+                   style: int = 2) -> Iterator[str]:
     """`num_examples` chat examples (families mixed by weight; `family_weights` overrides the default
     shares, families it leaves out keep theirs) interleaved with general-text chunks.
 
@@ -90,7 +93,7 @@ def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15,
         if drill_fraction and drill_rng.random() < drill_fraction:
             text = render_fact_drill(drill_rng)
         else:
-            example = sample_example(rng.choices(FAMILIES, weights)[0], rng)
+            example = sample_example(rng.choices(FAMILIES, weights)[0], rng, style=style)
             text = example.prompt + example.completion
         task_chars += len(text)
         yield text

@@ -15,11 +15,30 @@ from typing import Iterable, NamedTuple, Sequence
 
 
 class Trace(NamedTuple):
-    """What a task family produces for one question (`summary` is an optional restating line)."""
+    """What a task family produces for one question (`summary` is an optional restating line;
+    `spelled_answer`: the final answer is tokenized letter by letter in training, see `spelled`)."""
     question: str
     reasoning: str
     answer: str
     summary: str = ""
+    spelled_answer: bool = False
+
+
+# A span of a training text that is tokenized one character per token (BPE would merge it): the reversal
+# family builds its word letter by letter, and a model that has to emit canonical BPE pieces ("rek" + "ab")
+# must know every piece's spelling to do that. The decoded text is identical either way. The markers are
+# private-use characters that only v3-style traces write and only the trainer's encoder reads (it drops them).
+SPELL_OPEN, SPELL_CLOSE = "\ue000", "\ue001"
+
+
+def spelled(text: str) -> str:
+    """`text` marked to be tokenized a character per token in training (a leading space joins the first)."""
+    return SPELL_OPEN + text + SPELL_CLOSE
+
+
+def strip_spelled(text: str) -> str:
+    """The plain text of a training string (the spelled-span markers removed)."""
+    return text.replace(SPELL_OPEN, "").replace(SPELL_CLOSE, "")
 
 
 PLACES = ("ones", "tens", "hundreds", "thousands", "ten-thousands", "hundred-thousands")
@@ -106,6 +125,20 @@ def digits_of(n: int) -> list[int]:
 def place(i: int) -> str:
     """Place name of the i-th column counted from the right (0 = ones)."""
     return PLACES[i]
+
+
+def compare_steps(v: int, w: int) -> str:
+    """'71 vs 78: 7 = 7, 1 < 8': the lengths when they differ ('5 vs 63: 1 digit vs 2 digits'), else the
+    digits from the left up to the first difference, each compared pair written next to the numbers."""
+    sv, sw = str(v), str(w)
+    if len(sv) != len(sw):
+        return f"{v} vs {w}: {len(sv)} digit{'s' * (len(sv) > 1)} vs {len(sw)} digit{'s' * (len(sw) > 1)}"
+    steps = []
+    for x, y in zip(sv, sw):
+        steps.append(f"{x} {'=' if x == y else '>' if x > y else '<'} {y}")
+        if x != y:
+            break
+    return f"{v} vs {w}: " + ", ".join(steps)
 
 
 def join_and(items: Sequence[str]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 import string
 
-from mtp_core.data.phrasing import WORDS, Trace, join_and, maybe, pick, times
+from mtp_core.data.phrasing import WORDS, Trace, join_and, maybe, pick, spelled, times
 
 
 # ------------------------------------------------------------------ counting a letter
@@ -45,6 +45,35 @@ def render_count(ops: tuple[str, str], rng: random.Random) -> Trace:
     return Trace(question, "\n".join(lines), str(count))
 
 
+def render_count_v3(ops: tuple[str, str], rng: random.Random) -> Trace:
+    """v3: every letter is written next to the target letter before the yes/no, so the decision compares two
+    tokens a step apart (v2's marks had to recall the target from the question: v2 models never learned to)."""
+    word, letter = ops
+    count = word.count(letter)
+    question = pick(rng, (f"How many times does the letter '{letter}' appear in \"{word}\"?",
+                          f"How many '{letter}'s are in the word \"{word}\"?",
+                          f"Count the letter '{letter}' in \"{word}\".",
+                          f"In the word \"{word}\", how many times does '{letter}' occur?"))
+    lines = [pick(rng, (f"Let me spell \"{word}\" and count the {letter}'s.",
+                        f"I'll go through \"{word}\" letter by letter.",
+                        f"Spell it out and look for '{letter}'."))]
+    lines.append(pick(rng, ("-", " ", ", ")).join(word) + ".")
+    no, yes, sep = pick(rng, (("{c} vs {t}: no", "{c} vs {t}: yes ({n})", ", "),
+                              ("{c} vs {t} -> no", "{c} vs {t} -> yes, {n}", "; ")))
+    checked, running = [], 0
+    for c in word:
+        running += c == letter
+        checked.append((yes if c == letter else no).format(c=c, t=letter, n=running))
+    lines.append(pick(rng, ("", "Checking: ", f"Each letter against '{letter}': ", "Compare: ")) + sep.join(checked) + ".")
+    if count == 0:
+        lines.append(pick(rng, (f"No yes at all, so '{letter}' does not appear; the count is 0.",
+                                f"Every answer is no, so 0.")))
+    else:
+        lines.append(pick(rng, (f"The last yes is number {count}, so '{letter}' appears {times(count)}.",
+                                f"{count} yes in all. Total: {count}.", f"That makes {count}.")))
+    return Trace(question, "\n".join(lines), str(count))
+
+
 # ------------------------------------------------------------------ reversing a word
 
 def sample_reverse(rng: random.Random) -> tuple[str]:
@@ -72,3 +101,25 @@ def render_reverse(ops: tuple[str], rng: random.Random) -> Trace:
     if maybe(rng, 0.5):
         lines.append(f"Check: the first letter {word[0]} is now last, and the last letter {word[-1]} is now first.")
     return Trace(question, "\n".join(lines), rev)
+
+
+def render_reverse_v3(ops: tuple[str], rng: random.Random) -> Trace:
+    """v3: as v2 up to the reversed letters; the joined word and the answer are spelled a letter per token in
+    training (v2 models had to emit BPE pieces such as "ab" from the letters a, b and mostly failed)."""
+    (word,) = ops
+    rev = word[::-1]
+    question = pick(rng, (f"Reverse the word \"{word}\".", f"What is \"{word}\" spelled backwards?",
+                          f"Write \"{word}\" in reverse order."))
+    lines = [pick(rng, (f"Spell \"{word}\" forwards, then read it backwards.",
+                        "Let me list the letters and reverse them.",
+                        f"I'll take the letters of \"{word}\" from last to first."))]
+    numbered = pick(rng, ("{i} {c}", "{i}:{c}", "{c}{i}"))
+    fwd = [numbered.format(i=i + 1, c=c) for i, c in enumerate(word)]
+    lines.append(pick(rng, ("Letters: ", "Forwards: ", "Numbered: ")) + ", ".join(fwd) + ".")
+    if maybe(rng, 0.4):
+        lines.append(f"The last number is {len(word)}, so \"{word}\" has {len(word)} letters.")
+    lines.append(pick(rng, ("Backwards: ", "Reversed: ", "From the end: ", "Counting down: "))
+                 + ", ".join(fwd[::-1]) + ".")
+    lines.append(pick(rng, ("So the letters are ", "In order: ", "That spells ")) + pick(rng, ("-", " ")).join(rev) + ".")
+    lines.append(pick(rng, ("Joined:", "Put together:", "So the reversed word is")) + spelled(" " + rev) + ".")
+    return Trace(question, "\n".join(lines), rev, spelled_answer=True)

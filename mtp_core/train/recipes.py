@@ -52,6 +52,8 @@ class Recipe:
     bias_update_speed: float = 1e-3  # aux-loss-free expert balancing (DeepSeek-V3)
     general_fraction: float = 0.08
     drill_fraction: float = 0.0      # share of examples that are a single-digit fact drill (data.arithmetic)
+    # from this step on the examples use the v3 traces (data.tasks.render, style 3); -1: never
+    v3_traces_from: int = -1
     # the shipped asset whose tokenizer a run starts from ("" = the recipe's own name; trained if absent)
     tokenizer_from: str = ""
     # start from these trained weights instead of the random init (a shipped asset's name or a checkpoint dir)
@@ -114,12 +116,17 @@ def _v2a_decayed(name: str, start: int, length: int) -> Recipe:
 _V2_WEAK = (("add", 0.06), ("sub", 0.14), ("mul", 0.16), ("sort", 0.12), ("count", 0.18), ("compare", 0.12),
             ("max", 0.10), ("reverse", 0.10), ("parity", 0.02))
 
-# The shipped model (v2): v2a's run (4 layers x d256; 2e-3, doubled to 4e-3 at step 2,460) to step 10,420, then a
-# linear decay to 1e-4 over 3,000 steps. The decay ran on 2 threads (the constant phase on 1).
-TINY_R1 = replace(_v2a_decayed("tiny-r1", 10420, 3000), num_threads=2)
+# The shipped model (v3): v2a's run (4 layers x d256; 2e-3, doubled to 4e-3 at step 2,460) to step 13,100, then
+# a linear decay to 1e-4 over 3,500 steps on the v3 traces (count, reverse, compare, max and sub rewritten so that
+# each decision compares tokens written next to each other; see data.tasks). The decay ran on 2 threads (the
+# constant phase on 1); it ran under the name tiny-r1-v3.
+TINY_R1 = replace(_v2a_decayed("tiny-r1", 13100, 3500), v3_traces_from=13100, num_threads=2)
 
 RECIPES = {
     "tiny-r1": TINY_R1,
+    # v2, the model shipped before v3 (58% strict): v2a's constant phase to step 10,420, then a 3,000-step decay
+    # on the v2 traces
+    "tiny-r1-v2": replace(_v2a_decayed("tiny-r1-v2", 10420, 3000), num_threads=2),
     # the first v2 attempt (4 layers x d128), the shipped recipe's name before v2a
     "tiny-r1-v2-d128": TINY_R1_V2,
     # what this session's CPU share allowed: v2 branched off its constant-LR phase at step 1,500 into a 300-step
@@ -135,10 +142,10 @@ RECIPES = {
     "tiny-r1-v2a-decay2": _v2a_decayed("tiny-r1-v2a-decay2", 6120, 1000),
     # ... and from step 8,600 over 1,500 steps (this round's first branch)
     "tiny-r1-v2a-decay3": _v2a_decayed("tiny-r1-v2a-decay3", 8600, 1500),
-    # a later branch of v2a: its state at step 12,040 decayed over 3,000 steps (a candidate for the next round:
-    # 61% strict / 64% relaxed, 50 per family; the shipped model 58% / 61%)
+    # a later branch of v2a: its state at step 12,040 decayed over 3,000 steps on the v2 traces (61% strict / 64%
+    # relaxed, 50 per family; v2 58% / 61%; not shipped: v3 beat it)
     "tiny-r1-v2a-decay4": _v2a_decayed("tiny-r1-v2a-decay4", 12040, 3000),
-    # the shipped model's branch point, decayed over 1,500 steps with the weak families weighted up (an experiment:
+    # v2's branch point, decayed over 1,500 steps with the weak families weighted up (an experiment:
     # 51% strict / 57% relaxed vs the shipped 58% / 61%; addition fell 92% -> 66%, count 28% -> 20%)
     "tiny-r1-v2a-weak": replace(_v2a_decayed("tiny-r1-v2a-weak", 10420, 1500),
                                 mix_segments=_V2A.mix_segments + ((10420, _V2_WEAK),)),

@@ -10,6 +10,7 @@ import itertools
 import json
 import logging
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from mtp_core.config import ModelConfig
+from mtp_core.data.phrasing import SPELL_CLOSE, SPELL_OPEN
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.model.moe import MoE
 from mtp_core.tiny import init_weights
@@ -50,14 +52,37 @@ def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
     for start, weights in recipe.mix_segments:       # the last segment that has started decides
         if step >= start:
             mix = dict(weights)
+    v3 = 0 <= recipe.v3_traces_from <= step
     stream = training_texts(seed=recipe.seed * 1_000_003 + step, num_examples=10**6,
                             general_fraction=recipe.general_fraction, family_weights=mix,
-                            drill_fraction=recipe.drill_fraction)
+                            drill_fraction=recipe.drill_fraction, style=3 if v3 else 2)
     while len(ids) < need:
         chunk = list(itertools.islice(stream, 16))
-        for enc in tok.encode_batch(chunk, add_special_tokens=False):
-            ids.extend(enc.ids)
+        if v3:
+            for text in chunk:
+                ids.extend(encode_training_text(tok, text))
+        else:
+            for enc in tok.encode_batch(chunk, add_special_tokens=False):
+                ids.extend(enc.ids)
     return torch.tensor(ids[:need], dtype=torch.long).view(recipe.batch_size, recipe.seq_len)
+
+
+def encode_training_text(tok, text: str) -> list[int]:
+    """Token ids of a training string whose spelled spans (data.phrasing.spelled) are tokenized a character
+    per token (a leading space joins the first character, as BPE's pre-tokenizer would); the rest as usual."""
+    parts = re.split(f"{SPELL_OPEN}(.*?){SPELL_CLOSE}", text, flags=re.DOTALL)
+    ids: list[int] = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            if part:
+                ids.extend(tok.encode(part, add_special_tokens=False).ids)
+            continue
+        pieces = list(part)
+        if len(pieces) > 1 and pieces[0] == " ":
+            pieces = [" " + pieces[1]] + pieces[2:]
+        for piece in pieces:
+            ids.extend(tok.encode(piece, add_special_tokens=False).ids)
+    return ids
 
 
 def lr_at(recipe: Recipe, step: int) -> float:

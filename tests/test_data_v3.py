@@ -1,0 +1,175 @@
+"""tiny-r1 v3 traces (style 3): every decision of the count, compare, max and sub traces compares tokens written
+next to each other, and the reversed word is spelled a character per token in training. Each property is
+recomputed here from the operands, so a wrong step in any trace fails a test."""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from mtp_core.data import example_for, sample_example
+from mtp_core.data.phrasing import SPELL_CLOSE, SPELL_OPEN, compare_steps, strip_spelled
+from mtp_core.data.scoring import extract_answer
+from mtp_core.data.tasks import FAMILY_SPECS, render, sample_operands
+from mtp_core.train.recipes import RECIPES
+from mtp_core.train.trainer import batch_for_step, encode_training_text
+
+V3_FAMILIES = ("sub", "count", "compare", "max", "reverse")
+ASSET_TOKENIZER = Path(__file__).resolve().parent.parent / "mtp_core" / "assets" / "tiny-r1" / "tokenizer.json"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(ASSET_TOKENIZER))
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SPECS))
+def test_v3_keeps_the_question_and_answer_of_v2(family: str) -> None:
+    """Held-out sets are written from style 2; a style-3 model is asked exactly the same questions."""
+    rng = random.Random(family)
+    for k in range(200):
+        ops = sample_operands(family, rng, "eval" if k % 2 else "train")
+        v2 = render(family, ops, random.Random(k), style=2)
+        v3 = render(family, ops, random.Random(k), style=3)
+        assert (v3.question, v3.answer) == (v2.question, v2.answer)
+        assert (v3.reasoning != v2.reasoning) == (family in V3_FAMILIES)
+
+
+def test_unknown_style_is_refused() -> None:
+    with pytest.raises(ValueError, match="trace style"):
+        render("add", (1, 2), random.Random(0), style=4)
+
+
+@pytest.mark.parametrize("family", V3_FAMILIES)
+def test_v3_final_answer_is_the_reference(family: str) -> None:
+    rng = random.Random(1)
+    for _ in range(300):
+        ex = sample_example(family, rng, style=3)
+        assert extract_answer(strip_spelled(ex.completion)) == ex.answer
+
+
+_CHECK = re.compile(r"^([a-z]) vs ([a-z])(?:: | -> )(no|yes \((\d+)\)|yes, (\d+))$")
+
+
+def test_count_v3_compares_each_letter_with_the_target_in_place() -> None:
+    rng = random.Random(2)
+    for _ in range(300):
+        ex = sample_example("count", rng, style=3)
+        letter = re.search(r"'([a-z])'", ex.question).group(1)
+        word = re.search(r'"([a-z]+)"', ex.question).group(1)
+        line = next(l for l in ex.reasoning.splitlines() if " vs " in l)
+        body = re.sub(r"^(Checking: |Each letter against '[a-z]': |Compare: )", "", line)
+        items = re.split(r", (?=[a-z] vs)|; ", body.rstrip("."))
+        assert len(items) == len(word), line
+        running = 0
+        for c, item in zip(word, items):
+            m = _CHECK.match(item)
+            assert m, item
+            assert (m.group(1), m.group(2)) == (c, letter)
+            running += c == letter
+            assert (m.group(3) == "no") == (c != letter), item
+            if c == letter:
+                assert int(m.group(4) or m.group(5)) == running
+        assert ex.answer == str(word.count(letter))
+
+
+def test_compare_steps_stop_at_the_first_difference() -> None:
+    assert compare_steps(71, 78) == "71 vs 78: 7 = 7, 1 < 8"
+    assert compare_steps(5, 63) == "5 vs 63: 1 digit vs 2 digits"
+    assert compare_steps(979, 856) == "979 vs 856: 9 > 8"
+    assert compare_steps(44, 44) == "44 vs 44: 4 = 4, 4 = 4"
+
+
+def test_max_v3_compares_each_number_with_the_running_max() -> None:
+    rng = random.Random(3)
+    for _ in range(300):
+        ex = sample_example("max", rng, style=3)
+        values = [int(v) for v in re.findall(r"\d+", ex.question)]
+        steps = [l for l in ex.reasoning.splitlines() if " vs " in l]
+        assert len(steps) == len(values) - 1
+        cur = values[0]
+        for v, line in zip(values[1:], steps):
+            assert compare_steps(v, cur) in line, (line, v, cur)
+            verdict = line.rsplit("; ", 1)[1]
+            assert any(w in verdict for w in ("new max", "now", "bigger")) == (v > cur), line
+            cur = max(cur, v)
+            assert re.findall(r"\d+", verdict) == [str(cur)], line
+        assert ex.answer == str(max(values))
+
+
+def test_compare_v3_names_each_digit_by_its_count_mark() -> None:
+    rng = random.Random(4)
+    for _ in range(300):
+        ex = sample_example("compare", rng, style=3)
+        a, b = (int(v) for v in re.findall(r"\d+", ex.question)[:2])
+        lines = ex.reasoning.splitlines()
+        assert f"{len(str(a))}" in lines[1] and f"{len(str(b))}" in lines[1]
+        marks = [re.match(r"(?:Digit|Position|Mark) (\d+): (\d) ([=<>]) (\d)", l) for l in lines]
+        marks = [m for m in marks if m]
+        if len(str(a)) != len(str(b)):
+            assert not marks
+            continue
+        for m in marks:
+            k, x, rel, y = int(m.group(1)), int(m.group(2)), m.group(3), int(m.group(4))
+            assert (x, y) == (int(str(a)[k - 1]), int(str(b)[k - 1]))
+            assert rel == ("=" if x == y else ">" if x > y else "<")
+        assert marks[-1].group(3) != "=" or a == b
+
+
+def test_sub_v3_states_the_sign_before_anything_that_depends_on_it() -> None:
+    rng = random.Random(5)
+    for _ in range(300):
+        ex = sample_example("sub", rng, style=3)
+        a, b = (int(v) for v in re.findall(r"\d+", ex.question)[:2])
+        if ex.question.startswith("Subtract"):
+            b, a = a, b
+        first = ex.reasoning.splitlines()[0]
+        assert compare_steps(a, b) in first
+        assert ("negative: compute" in first) == (a < b), first
+        assert ex.answer == str(a - b)
+
+
+def test_reverse_v3_spells_the_joined_word_a_letter_per_token(tok) -> None:
+    rng = random.Random(6)
+    for _ in range(100):
+        ex = sample_example("reverse", rng, style=3)
+        text = ex.prompt + ex.completion
+        assert text.count(SPELL_OPEN) == 2 and text.count(SPELL_CLOSE) == 2
+        ids = encode_training_text(tok, text)
+        assert tok.decode(ids, skip_special_tokens=False) == strip_spelled(text)
+        pieces = [tok.id_to_token(i) for i in ids]
+        # the answer line: "The answer is" then " w" and one token per remaining letter
+        start = len(pieces) - len(ex.answer) - 2
+        assert pieces[start:-2] == ["Ġ" + ex.answer[0]] + list(ex.answer[1:]), pieces[-12:]
+
+
+def test_encode_training_text_without_spans_is_the_plain_encoding(tok) -> None:
+    rng = random.Random(7)
+    for family in FAMILY_SPECS:
+        ex = sample_example(family, rng, style=3)
+        text = ex.prompt + ex.completion
+        if SPELL_OPEN not in text:
+            assert encode_training_text(tok, text) == tok.encode(text, add_special_tokens=False).ids
+
+
+def test_v3_traces_start_at_the_recipes_step_and_leave_earlier_batches_alone(tok) -> None:
+    v3 = RECIPES["tiny-r1"]
+    before = replace(v3, v3_traces_from=-1)
+    s = v3.v3_traces_from
+    assert torch.equal(batch_for_step(tok, v3, s - 1), batch_for_step(tok, before, s - 1))
+    later = batch_for_step(tok, v3, s)
+    assert not torch.equal(later, batch_for_step(tok, before, s))
+    text = tok.decode(later.flatten().tolist(), skip_special_tokens=False)
+    assert SPELL_OPEN not in text and " vs " in text
+
+
+def test_example_for_passes_the_style() -> None:
+    v2 = example_for("count", ("banana", "a"), random.Random(0), style=2)
+    v3 = example_for("count", ("banana", "a"), random.Random(0), style=3)
+    assert " vs " in v3.reasoning and " vs " not in v2.reasoning
+    assert v3.answer == v2.answer == "3"
