@@ -42,7 +42,7 @@ def test_v3_keeps_the_question_and_answer_of_v2(family: str) -> None:
 
 def test_unknown_style_is_refused() -> None:
     with pytest.raises(ValueError, match="trace style"):
-        render("add", (1, 2), random.Random(0), style=4)
+        render("add", (1, 2), random.Random(0), style=5)
 
 
 @pytest.mark.parametrize("family", V3_FAMILIES)
@@ -173,3 +173,33 @@ def test_example_for_passes_the_style() -> None:
     v3 = example_for("count", ("banana", "a"), random.Random(0), style=3)
     assert " vs " in v3.reasoning and " vs " not in v2.reasoning
     assert v3.answer == v2.answer == "3"
+
+
+def test_style_4_changes_only_mul_and_compare() -> None:
+    rng = random.Random(11)
+    for family in FAMILY_SPECS:
+        for k in range(50):
+            ops = sample_operands(family, rng)
+            v3 = render(family, ops, random.Random(k), style=3)
+            v4 = render(family, ops, random.Random(k), style=4)
+            assert (v4.question, v4.answer) == (v3.question, v3.answer)
+            if family not in ("mul", "compare"):
+                assert v4 == v3
+
+
+def test_mul_v4_uses_the_column_method_only() -> None:
+    rng = random.Random(12)
+    for _ in range(300):
+        ex = sample_example("mul", rng, style=4)
+        assert not re.search(r"place value|Break|Split \d+ as|Write \d+ =|Add them|Adding:|Sum:", ex.reasoning), ex.reasoning
+        assert extract_answer(ex.completion) == ex.answer
+
+
+def test_compare_v4_states_the_goal_first_and_copies_it_last() -> None:
+    rng = random.Random(13)
+    for _ in range(300):
+        ex = sample_example("compare", rng, style=4)
+        want = "smaller" if re.search(r"smaller|less", ex.question) else "larger"
+        lines = ex.reasoning.splitlines()
+        assert want in lines[0] and ("smaller" if want == "larger" else "larger") not in lines[0]
+        assert lines[-1] == f"We need the {want} one: {ex.answer}."

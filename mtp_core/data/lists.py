@@ -186,7 +186,7 @@ def render_compare(ops: tuple[int, int, str], rng: random.Random) -> Trace:
     return Trace(question, "\n".join(lines), str(big if want == "larger" else small))
 
 
-def render_compare_v3(ops: tuple[int, int, str], rng: random.Random) -> Trace:
+def render_compare_v3(ops: tuple[int, int, str], rng: random.Random, restate_goal: bool = False) -> Trace:
     """v3: both lengths are always stated from the counted digits, and each digit comparison names the digit
     by its count mark ("Digit 3: 8 vs 4"), so the two digits are fetched by a mark the text already holds."""
     a, b, want = ops
@@ -203,6 +203,8 @@ def render_compare_v3(ops: tuple[int, int, str], rng: random.Random) -> Trace:
     counted = [f"{x}: " + ", ".join(count_fmt.format(d=d, n=k + 1) for k, d in enumerate(str(x))) + "."
                for x in (a, b)]
     lines = [lead + " ".join(counted)]
+    if restate_goal:
+        lines.insert(0, pick(rng, (f"We need the {want} one.", f"The question asks for the {want} number.")))
     lines.append(pick(rng, (f"{a} has {_digits(na)} and {b} has {_digits(nb)}.", f"So {a} has {na} and {b} has {nb}.")))
     if na != nb:
         lines.append(f"{max(na, nb)} > {min(na, nb)}, and more digits means a bigger number, so {big} is larger.")
@@ -216,9 +218,17 @@ def render_compare_v3(ops: tuple[int, int, str], rng: random.Random) -> Trace:
             if x != y:
                 lines.append(f"{x} {rel} {y}, so {a if x > y else b} is larger.")
                 break
-    if want == "smaller":
+    if restate_goal:    # v4: the goal is written first and copied at the end, not recalled from the question
+        answer = small if want == "smaller" else big
+        lines.append(f"We need the {want} one: {answer}.")
+    elif want == "smaller":
         lines.append(pick(rng, (f"That means {small} is the smaller one.", f"So the smaller number is {small}.")))
     return Trace(question, "\n".join(lines), str(big if want == "larger" else small))
+
+
+def render_compare_v4(ops: tuple[int, int, str], rng: random.Random) -> Trace:
+    """v4: v3 with the goal (larger or smaller) stated in the first line and copied into the last."""
+    return render_compare_v3(ops, rng, restate_goal=True)
 
 
 # ------------------------------------------------------------------ parity

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mtp_core.data import arithmetic, lists, multiplication, words
@@ -29,7 +29,9 @@ class Family:
     canonical: Callable[[tuple], tuple]                 # the key the split is decided on
     weight: float                                       # share of training examples
     eval_percent: int = 10                              # share of the operand space held out
-    render_v3: Callable[[Any, random.Random], Trace] | None = None   # the v3 trace, where it differs
+    # later trace styles where they differ: {style: renderer}; a style without an entry uses the latest
+    # earlier one (style 2 is `render`)
+    later: dict[int, Callable[[Any, random.Random], Trace]] = field(default_factory=dict)
 
 
 def _unordered(ops: tuple) -> tuple:
@@ -38,16 +40,17 @@ def _unordered(ops: tuple) -> tuple:
 
 FAMILY_SPECS: dict[str, Family] = {f.name: f for f in (
     Family("add", arithmetic.sample_add, arithmetic.render_add, _unordered, 0.17),
-    Family("sub", arithmetic.sample_sub, arithmetic.render_sub, tuple, 0.17, render_v3=arithmetic.render_sub_v3),
-    Family("mul", multiplication.sample_mul, multiplication.render_mul, _unordered, 0.20),
+    Family("sub", arithmetic.sample_sub, arithmetic.render_sub, tuple, 0.17, later={3: arithmetic.render_sub_v3}),
+    Family("mul", multiplication.sample_mul, multiplication.render_mul, _unordered, 0.20,
+           later={4: multiplication.render_mul_v4}),
     Family("sort", lists.sample_sort, lists.render_sort, lambda ops: tuple(sorted(ops[1])), 0.10),
-    Family("count", words.sample_count, words.render_count, tuple, 0.09, render_v3=words.render_count_v3),
+    Family("count", words.sample_count, words.render_count, tuple, 0.09, later={3: words.render_count_v3}),
     Family("compare", lists.sample_compare, lists.render_compare, lambda ops: tuple(sorted(ops[:2])), 0.08,
-           render_v3=lists.render_compare_v3),
-    Family("max", lists.sample_max, lists.render_max, _unordered, 0.07, render_v3=lists.render_max_v3),
+           later={3: lists.render_compare_v3, 4: lists.render_compare_v4}),
+    Family("max", lists.sample_max, lists.render_max, _unordered, 0.07, later={3: lists.render_max_v3}),
     # Only ~350 words: hold out a fifth of them so 50 distinct eval questions exist.
     Family("reverse", words.sample_reverse, words.render_reverse, tuple, 0.07, eval_percent=20,
-           render_v3=words.render_reverse_v3),
+           later={3: words.render_reverse_v3}),
     Family("parity", lists.sample_parity, lists.render_parity, tuple, 0.05),
 )}
 
@@ -76,16 +79,20 @@ def sample_operands(family: str, rng: random.Random, split: str = "train") -> tu
     raise AssertionError(f"no {split} operands for {family} after {_MAX_TRIES} draws")
 
 
-TRACE_STYLES = (2, 3)
+TRACE_STYLES = (2, 3, 4)
 
 
 def render(family: str, ops: tuple, rng: random.Random, style: int = 2) -> Trace:
     """The trace for fixed operands; only the wording depends on `rng`. Style 3 (the v3 traces) differs from
-    style 2 for sub, count, compare, max and reverse; the question (drawn first) is the same in both."""
+    style 2 for sub, count, compare, max and reverse; style 4 from style 3 for mul (column method only) and
+    compare (the goal stated first and copied last). The question (drawn first) is the same in all."""
     spec = _check_family(family)
     if style not in TRACE_STYLES:
-        raise ValueError(f"unknown trace style {style!r}; use 2 or 3")
-    return (spec.render_v3 if style == 3 and spec.render_v3 else spec.render)(ops, rng)
+        raise ValueError(f"unknown trace style {style!r}; use one of {', '.join(map(str, TRACE_STYLES))}")
+    for s in range(style, 2, -1):
+        if s in spec.later:
+            return spec.later[s](ops, rng)
+    return spec.render(ops, rng)
 
 
 def generate(family: str, rng: random.Random, split: str = "train", style: int = 2) -> Trace:

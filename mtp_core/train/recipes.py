@@ -52,8 +52,9 @@ class Recipe:
     bias_update_speed: float = 1e-3  # aux-loss-free expert balancing (DeepSeek-V3)
     general_fraction: float = 0.08
     drill_fraction: float = 0.0      # share of examples that are a single-digit fact drill (data.arithmetic)
-    # from this step on the examples use the v3 traces (data.tasks.render, style 3); -1: never
+    # from this step on the examples use the later traces (data.tasks.render, style `late_trace_style`); -1: never
     v3_traces_from: int = -1
+    late_trace_style: int = 3
     # the shipped asset whose tokenizer a run starts from ("" = the recipe's own name; trained if absent)
     tokenizer_from: str = ""
     # start from these trained weights instead of the random init (a shipped asset's name or a checkpoint dir)
@@ -124,6 +125,8 @@ TINY_R1 = replace(_v2a_decayed("tiny-r1", 13100, 3500), v3_traces_from=13100, nu
 
 RECIPES = {
     "tiny-r1": TINY_R1,
+    # v3's branch with the v4 traces (mul by the column method only; compare states its goal first): an experiment
+    "tiny-r1-v4x": replace(TINY_R1, name="tiny-r1-v4x", late_trace_style=4),
     # v2, the model shipped before v3 (58% strict): v2a's constant phase to step 10,420, then a 3,000-step decay
     # on the v2 traces
     "tiny-r1-v2": replace(_v2a_decayed("tiny-r1-v2", 10420, 3000), num_threads=2),

@@ -55,7 +55,7 @@ def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
     v3 = 0 <= recipe.v3_traces_from <= step
     stream = training_texts(seed=recipe.seed * 1_000_003 + step, num_examples=10**6,
                             general_fraction=recipe.general_fraction, family_weights=mix,
-                            drill_fraction=recipe.drill_fraction, style=3 if v3 else 2)
+                            drill_fraction=recipe.drill_fraction, style=recipe.late_trace_style if v3 else 2)
     while len(ids) < need:
         chunk = list(itertools.islice(stream, 16))
         if v3:
