@@ -66,15 +66,22 @@ def sample_max(rng: random.Random) -> tuple[int, ...]:
     return _values(rng, rng.randint(3, 8))
 
 
-def render_max(values: tuple[int, ...], rng: random.Random) -> Trace:
+def _max_opening(values: tuple[int, ...], rng: random.Random) -> tuple[str, list[str]]:
+    """The question, a plan line and the first number (shared by the v2 and v3 traces)."""
     shown = number_list(values)
     question = pick(rng, (f"What is the largest number in this list: {shown}?", f"Find the maximum of {shown}.",
                           f"Which is the biggest of these numbers: {shown}?"))
     lines = [pick(rng, ("I'll scan the list and keep the largest so far.",
                         "Go through the numbers one by one, tracking the maximum.",
                         "Let me keep a running maximum."))]
+    lines.append(pick(rng, (f"Start with {values[0]}.",
+                            f"The first number is {values[0]}, so the max so far is {values[0]}.")))
+    return question, lines
+
+
+def render_max(values: tuple[int, ...], rng: random.Random) -> Trace:
+    question, lines = _max_opening(values, rng)
     cur, ph = values[0], Phraser(rng)
-    lines.append(pick(rng, (f"Start with {cur}.", f"The first number is {cur}, so the max so far is {cur}.")))
     for v in values[1:]:
         line_style = ph.index("max.step", 3)
         if line_style == 0:
@@ -95,14 +102,8 @@ def render_max(values: tuple[int, ...], rng: random.Random) -> Trace:
 def render_max_v3(values: tuple[int, ...], rng: random.Random) -> Trace:
     """v3: each step compares the number with the running maximum digit by digit (v2 wrote only the verdict,
     and v2 models misjudged pairs such as 71 and 78)."""
-    shown = number_list(values)
-    question = pick(rng, (f"What is the largest number in this list: {shown}?", f"Find the maximum of {shown}.",
-                          f"Which is the biggest of these numbers: {shown}?"))
-    lines = [pick(rng, ("I'll scan the list and keep the largest so far.",
-                        "Go through the numbers one by one, tracking the maximum.",
-                        "Let me keep a running maximum."))]
+    question, lines = _max_opening(values, rng)
     cur, ph = values[0], Phraser(rng)
-    lines.append(pick(rng, (f"Start with {cur}.", f"The first number is {cur}, so the max so far is {cur}.")))
     for v in values[1:]:
         versus = compare_steps(v, cur)
         if v > cur:
@@ -139,24 +140,27 @@ def sample_compare(rng: random.Random) -> tuple[int, int, str]:
     return a, b, ("smaller" if maybe(rng, 0.4) else "larger")
 
 
-def render_compare(ops: tuple[int, int, str], rng: random.Random) -> Trace:
-    a, b, want = ops
-    big, small = max(a, b), min(a, b)
+def _compare_opening(a: int, b: int, want: str, rng: random.Random) -> tuple[str, list[str]]:
+    """The question and the line that counts both numbers' digits (shared by the v2 and v3 traces)."""
     if want == "larger":
         question = pick(rng, (f"Which is larger, {a} or {b}?", f"Which number is bigger: {a} or {b}?",
                               f"Which is greater, {a} or {b}?"))
     else:
         question = pick(rng, (f"Which is smaller, {a} or {b}?", f"Which number is less: {a} or {b}?",
                               f"Which is the smaller number, {a} or {b}?"))
-    na, nb = len(str(a)), len(str(b))
     # The digits are counted with a running number, so the lengths are computable from the text.
     count_fmt = pick(rng, ("{d} ({n})", "{d}:{n}", "{d} -> {n}"))
     lead = pick(rng, ("Count the digits. ", "First the lengths. ", ""))
-    counted = []
-    for x in (a, b):
-        marks = ", ".join(count_fmt.format(d=d, n=k + 1) for k, d in enumerate(str(x)))
-        counted.append(f"{x}: {marks}.")
-    lines = [lead + " ".join(counted)]
+    counted = [f"{x}: " + ", ".join(count_fmt.format(d=d, n=k + 1) for k, d in enumerate(str(x))) + "."
+               for x in (a, b)]
+    return question, [lead + " ".join(counted)]
+
+
+def render_compare(ops: tuple[int, int, str], rng: random.Random) -> Trace:
+    a, b, want = ops
+    big, small = max(a, b), min(a, b)
+    question, lines = _compare_opening(a, b, want, rng)
+    na, nb = len(str(a)), len(str(b))
     if na != nb:
         lines += [pick(rng, (f"{a} has {_digits(na)} and {b} has {_digits(nb)}.",
                              f"So {a} has {na} and {b} has {nb}.")),
@@ -191,18 +195,8 @@ def render_compare_v3(ops: tuple[int, int, str], rng: random.Random, restate_goa
     by its count mark ("Digit 3: 8 vs 4"), so the two digits are fetched by a mark the text already holds."""
     a, b, want = ops
     big, small = max(a, b), min(a, b)
-    if want == "larger":
-        question = pick(rng, (f"Which is larger, {a} or {b}?", f"Which number is bigger: {a} or {b}?",
-                              f"Which is greater, {a} or {b}?"))
-    else:
-        question = pick(rng, (f"Which is smaller, {a} or {b}?", f"Which number is less: {a} or {b}?",
-                              f"Which is the smaller number, {a} or {b}?"))
+    question, lines = _compare_opening(a, b, want, rng)
     na, nb = len(str(a)), len(str(b))
-    count_fmt = pick(rng, ("{d} ({n})", "{d}:{n}", "{d} -> {n}"))
-    lead = pick(rng, ("Count the digits. ", "First the lengths. ", ""))
-    counted = [f"{x}: " + ", ".join(count_fmt.format(d=d, n=k + 1) for k, d in enumerate(str(x))) + "."
-               for x in (a, b)]
-    lines = [lead + " ".join(counted)]
     if restate_goal:
         lines.insert(0, pick(rng, (f"We need the {want} one.", f"The question asks for the {want} number.")))
     lines.append(pick(rng, (f"{a} has {_digits(na)} and {b} has {_digits(nb)}.", f"So {a} has {na} and {b} has {nb}.")))

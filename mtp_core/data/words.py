@@ -15,9 +15,8 @@ def sample_count(rng: random.Random) -> tuple[str, str]:
     return word, letter
 
 
-def render_count(ops: tuple[str, str], rng: random.Random) -> Trace:
-    word, letter = ops
-    count = word.count(letter)
+def _count_opening(word: str, letter: str, rng: random.Random) -> tuple[str, list[str]]:
+    """The question, an opening line and the word spelled out (shared by the v2 and v3 traces)."""
     question = pick(rng, (f"How many times does the letter '{letter}' appear in \"{word}\"?",
                           f"How many '{letter}'s are in the word \"{word}\"?",
                           f"Count the letter '{letter}' in \"{word}\".",
@@ -25,9 +24,15 @@ def render_count(ops: tuple[str, str], rng: random.Random) -> Trace:
     lines = [pick(rng, (f"Let me spell \"{word}\" and count the {letter}'s.",
                         f"I'll go through \"{word}\" letter by letter.",
                         f"Spell it out and look for '{letter}'."))]
-    positions = [str(i + 1) for i, c in enumerate(word) if c == letter]
-    # Letter by letter with a running count: each step needs only the previous mark and one letter.
     lines.append(pick(rng, ("-", " ", ", ")).join(word) + ".")
+    return question, lines
+
+
+def render_count(ops: tuple[str, str], rng: random.Random) -> Trace:
+    word, letter = ops
+    count = word.count(letter)
+    question, lines = _count_opening(word, letter, rng)
+    # Letter by letter with a running count: each step needs only the previous mark and one letter.
     mark = pick(rng, ("{c} ({n})", "{c} (that's {n})", "{c} -> {n}", "{c} [{n}]"))
     marked, running = [], 0
     for c in word:
@@ -50,14 +55,7 @@ def render_count_v3(ops: tuple[str, str], rng: random.Random) -> Trace:
     tokens a step apart (v2's marks had to recall the target from the question: v2 models never learned to)."""
     word, letter = ops
     count = word.count(letter)
-    question = pick(rng, (f"How many times does the letter '{letter}' appear in \"{word}\"?",
-                          f"How many '{letter}'s are in the word \"{word}\"?",
-                          f"Count the letter '{letter}' in \"{word}\".",
-                          f"In the word \"{word}\", how many times does '{letter}' occur?"))
-    lines = [pick(rng, (f"Let me spell \"{word}\" and count the {letter}'s.",
-                        f"I'll go through \"{word}\" letter by letter.",
-                        f"Spell it out and look for '{letter}'."))]
-    lines.append(pick(rng, ("-", " ", ", ")).join(word) + ".")
+    question, lines = _count_opening(word, letter, rng)
     no, yes, sep = pick(rng, (("{c} vs {t}: no", "{c} vs {t}: yes ({n})", ", "),
                               ("{c} vs {t} -> no", "{c} vs {t} -> yes, {n}", "; ")))
     checked, running = [], 0
@@ -80,7 +78,9 @@ def sample_reverse(rng: random.Random) -> tuple[str]:
     return (pick(rng, WORDS),)
 
 
-def render_reverse(ops: tuple[str], rng: random.Random) -> Trace:
+def render_reverse(ops: tuple[str], rng: random.Random, spell_joined: bool = False) -> Trace:
+    """With `spell_joined` (v3) the joined word and the answer are spelled a letter per token in training and
+    the check line is left out (v2 models had to emit BPE pieces such as "ab" from the letters a, b)."""
     (word,) = ops
     rev = word[::-1]
     question = pick(rng, (f"Reverse the word \"{word}\".", f"What is \"{word}\" spelled backwards?",
@@ -97,29 +97,16 @@ def render_reverse(ops: tuple[str], rng: random.Random) -> Trace:
     lines.append(pick(rng, ("Backwards: ", "Reversed: ", "From the end: ", "Counting down: "))
                  + ", ".join(fwd[::-1]) + ".")
     lines.append(pick(rng, ("So the letters are ", "In order: ", "That spells ")) + pick(rng, ("-", " ")).join(rev) + ".")
-    lines.append(pick(rng, (f"Joined: {rev}.", f"Put together: {rev}.", f"So the reversed word is {rev}.")))
+    joined = pick(rng, ("Joined:", "Put together:", "So the reversed word is"))
+    if spell_joined:
+        lines.append(joined + spelled(" " + rev) + ".")
+        return Trace(question, "\n".join(lines), rev, spelled_answer=True)
+    lines.append(f"{joined} {rev}.")
     if maybe(rng, 0.5):
         lines.append(f"Check: the first letter {word[0]} is now last, and the last letter {word[-1]} is now first.")
     return Trace(question, "\n".join(lines), rev)
 
 
 def render_reverse_v3(ops: tuple[str], rng: random.Random) -> Trace:
-    """v3: as v2 up to the reversed letters; the joined word and the answer are spelled a letter per token in
-    training (v2 models had to emit BPE pieces such as "ab" from the letters a, b and mostly failed)."""
-    (word,) = ops
-    rev = word[::-1]
-    question = pick(rng, (f"Reverse the word \"{word}\".", f"What is \"{word}\" spelled backwards?",
-                          f"Write \"{word}\" in reverse order."))
-    lines = [pick(rng, (f"Spell \"{word}\" forwards, then read it backwards.",
-                        "Let me list the letters and reverse them.",
-                        f"I'll take the letters of \"{word}\" from last to first."))]
-    numbered = pick(rng, ("{i} {c}", "{i}:{c}", "{c}{i}"))
-    fwd = [numbered.format(i=i + 1, c=c) for i, c in enumerate(word)]
-    lines.append(pick(rng, ("Letters: ", "Forwards: ", "Numbered: ")) + ", ".join(fwd) + ".")
-    if maybe(rng, 0.4):
-        lines.append(f"The last number is {len(word)}, so \"{word}\" has {len(word)} letters.")
-    lines.append(pick(rng, ("Backwards: ", "Reversed: ", "From the end: ", "Counting down: "))
-                 + ", ".join(fwd[::-1]) + ".")
-    lines.append(pick(rng, ("So the letters are ", "In order: ", "That spells ")) + pick(rng, ("-", " ")).join(rev) + ".")
-    lines.append(pick(rng, ("Joined:", "Put together:", "So the reversed word is")) + spelled(" " + rev) + ".")
-    return Trace(question, "\n".join(lines), rev, spelled_answer=True)
+    """v3: the joined word and the answer spelled a letter per token in training (see render_reverse)."""
+    return render_reverse(ops, rng, spell_joined=True)
