@@ -14,9 +14,10 @@ import torch
 from mtp_core.data import example_for, sample_example
 from mtp_core.data.phrasing import SPELL_CLOSE, SPELL_OPEN, compare_steps, strip_spelled
 from mtp_core.data.scoring import extract_answer
-from mtp_core.data.tasks import FAMILY_SPECS, render, sample_operands
+from mtp_core.data.phrasing import WORDS
+from mtp_core.data.tasks import FAMILY_SPECS, render, sample_operands, split_of
 from mtp_core.train.recipes import RECIPES
-from mtp_core.train.trainer import batch_for_step, encode_training_text
+from mtp_core.train.trainer import batch_for_step, encode_training_text, trace_style_at
 
 V3_FAMILIES = ("sub", "count", "compare", "max", "reverse")
 ASSET_TOKENIZER = Path(__file__).resolve().parent.parent / "mtp_core" / "assets" / "tiny-r1" / "tokenizer.json"
@@ -42,7 +43,7 @@ def test_v3_keeps_the_question_and_answer_of_v2(family: str) -> None:
 
 def test_unknown_style_is_refused() -> None:
     with pytest.raises(ValueError, match="trace style"):
-        render("add", (1, 2), random.Random(0), style=5)
+        render("add", (1, 2), random.Random(0), style=7)
 
 
 @pytest.mark.parametrize("family", V3_FAMILIES)
@@ -175,16 +176,18 @@ def test_example_for_passes_the_style() -> None:
     assert v3.answer == v2.answer == "3"
 
 
-def test_style_4_changes_only_mul_and_compare() -> None:
-    rng = random.Random(11)
+@pytest.mark.parametrize("style,changed", [(4, ("mul", "compare")), (5, ("compare",)), (6, ("count",))])
+def test_each_later_style_changes_only_its_families(style: int, changed: tuple[str, ...]) -> None:
+    rng = random.Random(style)
     for family in FAMILY_SPECS:
+        differs = 0
         for k in range(50):
             ops = sample_operands(family, rng)
-            v3 = render(family, ops, random.Random(k), style=3)
-            v4 = render(family, ops, random.Random(k), style=4)
-            assert (v4.question, v4.answer) == (v3.question, v3.answer)
-            if family not in ("mul", "compare"):
-                assert v4 == v3
+            before = render(family, ops, random.Random(k), style=style - 1)
+            after = render(family, ops, random.Random(k), style=style)
+            assert (after.question, after.answer) == (before.question, before.answer)
+            differs += after != before
+        assert differs == 0 if family not in changed else differs > 10, (family, differs)
 
 
 def test_mul_v4_uses_the_column_method_only() -> None:
@@ -203,3 +206,95 @@ def test_compare_v4_states_the_goal_first_and_copies_it_last() -> None:
         lines = ex.reasoning.splitlines()
         assert want in lines[0] and ("smaller" if want == "larger" else "larger") not in lines[0]
         assert lines[-1] == f"We need the {want} one: {ex.answer}."
+
+
+def test_compare_v5_compares_beside_the_numbers_and_names_both() -> None:
+    rng = random.Random(15)
+    orders = set()
+    for _ in range(300):
+        ex = sample_example("compare", rng, style=5)
+        a, b = (int(x) for x in re.findall(r"\d+", ex.question))
+        want = "smaller" if re.search(r"smaller|less", ex.question) else "larger"
+        lines = ex.reasoning.splitlines()
+        assert want in lines[0] and ("smaller" if want == "larger" else "larger") not in lines[0]
+        assert lines[-3] == f"{compare_steps(a, b)}, so {a} {'>' if a > b else '<'} {b}."
+        halves = {f"the larger is {max(a, b)}", f"the smaller is {min(a, b)}"}
+        named = lines[-2].removeprefix("So ").removesuffix(".").split(" and ")
+        assert set(named) == halves
+        orders.add(named[0].split(" is ")[0])
+        assert lines[-1] == f"We need the {want} one: {ex.answer}."
+        assert int(ex.answer) == (min(a, b) if want == "smaller" else max(a, b))
+    assert orders == {"the larger", "the smaller"}     # both orders of the naming line occur
+
+
+def test_v5_recipe_switches_to_style_5_where_v4x_ends(tok) -> None:
+    v4x, v5 = RECIPES["tiny-r1-v4x"], RECIPES["tiny-r1-v5"]
+    end = v4x.steps
+    assert [trace_style_at(v5, s) for s in (v4x.v3_traces_from - 1, end - 1, end)] == [2, 4, 5]
+    assert torch.equal(batch_for_step(tok, v5, end - 1), batch_for_step(tok, v4x, end - 1))
+    assert not torch.equal(batch_for_step(tok, v5, end), batch_for_step(tok, v4x, end))
+
+
+def test_count_v6_writes_the_target_once_and_checks_each_letter_without_it(tok) -> None:
+    rng = random.Random(17)
+    for _ in range(300):
+        ex = sample_example("count", rng, style=6)
+        word, letter = re.search(r"\"(\w+)\"", ex.question).group(1), re.search(r"'(\w)'", ex.question).group(1)
+        lines = ex.reasoning.splitlines()
+        assert lines[1] in (f"Target: {letter}.", f"The letter to find: {letter}.")
+        assert lines[2] == "-".join(word) + "."
+        checks = lines[3].split(": ", 1)[1].removesuffix(".").split(", ")
+        running, want = 0, []
+        for c in word:
+            running += c == letter
+            want.append(f"{c}: match ({running})" if c == letter else f"{c}: no")
+        assert checks == want
+        assert extract_answer(ex.completion) == ex.answer == str(word.count(letter))
+        # the verdict words are not letter tokens: ' match' and ' no' are single tokens of their own
+        for verdict in (" match", " no"):
+            assert len(tok.encode(verdict, add_special_tokens=False).ids) == 1
+
+
+def test_spell_drill_spells_each_made_up_word_and_cuts_it_from_training_words_only() -> None:
+    from mtp_core.data.words import _drill_pieces, render_spell_drill
+    held_out = [w for w in WORDS if split_of("reverse", (w,)) == "eval"]
+    assert held_out and not set(held_out) & set(_drill_pieces())
+    rng = random.Random(18)
+    for _ in range(100):
+        block = render_spell_drill(rng)
+        assert block.endswith("\n\n") and "The answer is" not in block
+        for line in block.strip().splitlines()[1:]:
+            word, spelled_out = re.fullmatch(r'"([a-z]+)": (.*)\.', line).groups()
+            letters = re.sub(r"[\d:, -]", "", spelled_out)
+            assert letters == word, line
+
+
+def test_spell_drill_share_and_its_absence(tok) -> None:
+    from mtp_core.data.dataset import training_texts
+    plain = list(training_texts(3, 400, general_fraction=0.0, style=6))
+    drilled = list(training_texts(3, 400, general_fraction=0.0, style=6, spell_drill_fraction=0.2))
+    blocks = [t for t in drilled if t.startswith(("Spelling practice:", "Spell each one:", "Letters of some"))]
+    assert 50 <= len(blocks) <= 110
+    assert [t for t in drilled if t not in blocks] == plain[:len(drilled) - len(blocks)]
+    with pytest.raises(ValueError, match="spell_drill_fraction"):
+        next(training_texts(3, 4, drill_fraction=0.5, spell_drill_fraction=0.5))
+
+
+def test_v6_recipe_branches_from_v4x(tok) -> None:
+    v4x, v6 = RECIPES["tiny-r1-v4x"], RECIPES["tiny-r1-v6"]
+    end = v4x.steps
+    assert [trace_style_at(v6, s) for s in (end - 1, end)] == [4, 6]
+    for step in (0, 5000, end - 3, end - 2, end - 1):   # the drill too starts only at the branch
+        assert torch.equal(batch_for_step(tok, v6, step), batch_for_step(tok, v4x, step))
+    text = tok.decode(batch_for_step(tok, v6, end).flatten().tolist(), skip_special_tokens=False)
+    assert ": match (" in text or ": no, " in text
+
+
+def test_shipped_recipe_continues_v5_and_drills_spelling_only_after_it(tok) -> None:
+    v5, v7 = RECIPES["tiny-r1-v5"], RECIPES["tiny-r1"]
+    end = v5.steps
+    assert trace_style_at(v7, end) == trace_style_at(v5, end - 1) == 5
+    for step in (0, 14000, end - 3, end - 2, end - 1):
+        assert torch.equal(batch_for_step(tok, v7, step), batch_for_step(tok, v5, step))
+    drilled = [tok.decode(batch_for_step(tok, v7, s).flatten().tolist()) for s in range(end, end + 4)]
+    assert any("Spelling practice:" in t or "Spell each one:" in t or "Letters of some" in t for t in drilled)

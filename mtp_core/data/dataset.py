@@ -19,6 +19,7 @@ from mtp_core.data.arithmetic import render_fact_drill
 from mtp_core.data.phrasing import Trace, maybe, ngram_predictability, spelled
 from mtp_core.data.scoring import ANSWER_PREFIX, format_answer
 from mtp_core.data.tasks import FAMILY_SPECS, generate, render, sample_operands, split_of
+from mtp_core.data.words import render_spell_drill
 
 FAMILIES: list[str] = list(FAMILY_SPECS)
 
@@ -62,18 +63,23 @@ def example_for(family: str, operands: tuple, rng: random.Random, style: int = 2
 
 def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15,
                    family_weights: dict[str, float] | None = None, drill_fraction: float = 0.0,
-                   style: int = 2) -> Iterator[str]:
+                   style: int = 2, spell_drill_fraction: float = 0.0) -> Iterator[str]:
     """`num_examples` chat examples (families mixed by weight; `family_weights` overrides the default
     shares, families it leaves out keep theirs) interleaved with general-text chunks.
 
     General chunks are added whenever they fall below `general_fraction` of all characters so far
     (characters stand in for tokens), so the share holds at every prefix of the stream. With
     `drill_fraction` > 0, that share of the examples is a single-digit fact drill (`render_fact_drill`)
-    instead of a chat example (drawn from its own rng, so the chat examples are those of drill 0 thinned).
+    instead of a chat example (drawn from its own rng, so the chat examples are those of drill 0 thinned);
+    `spell_drill_fraction` likewise for the spelling drill (`words.render_spell_drill`).
     """
     if not 0.0 <= drill_fraction < 1.0:
         raise ValueError(f"drill_fraction must be in [0, 1), got {drill_fraction}")
     drill_rng = random.Random(f"drill-{seed}")
+    spell_rng = random.Random(f"spell-{seed}")
+    if not 0.0 <= drill_fraction + spell_drill_fraction < 1.0:
+        raise ValueError(f"drill_fraction + spell_drill_fraction must be in [0, 1), got "
+                         f"{drill_fraction} + {spell_drill_fraction}; lower one of them")
     if not 0.0 <= general_fraction < 1.0:
         raise ValueError(f"general_fraction must be in [0, 1), got {general_fraction}")
     if num_examples < 0:
@@ -92,6 +98,8 @@ def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15,
     for _ in range(num_examples):
         if drill_fraction and drill_rng.random() < drill_fraction:
             text = render_fact_drill(drill_rng)
+        elif spell_drill_fraction and spell_rng.random() < spell_drill_fraction:
+            text = render_spell_drill(spell_rng)
         else:
             example = sample_example(rng.choices(FAMILIES, weights)[0], rng, style=style)
             text = example.prompt + example.completion

@@ -225,6 +225,26 @@ def render_compare_v4(ops: tuple[int, int, str], rng: random.Random) -> Trace:
     return render_compare_v3(ops, rng, restate_goal=True)
 
 
+
+def render_compare_v5(ops: tuple[int, int, str], rng: random.Random) -> Trace:
+    """v5: the goal first; the two numbers compared in one line, each digit pair written next to them (as the
+    v3 max steps do: v4 models fetched the second number's digit by its count mark wrong); a line naming both
+    the larger and the smaller (in either order), so the goal word asked at the end is not simply the nearest;
+    then the goal copied with its number."""
+    a, b, want = ops
+    big, small = max(a, b), min(a, b)
+    question, lines = _compare_opening(a, b, want, rng)
+    na, nb = len(str(a)), len(str(b))
+    lines.insert(0, pick(rng, (f"We need the {want} one.", f"The question asks for the {want} number.")))
+    lines.append(pick(rng, (f"{a} has {_digits(na)} and {b} has {_digits(nb)}.", f"So {a} has {na} and {b} has {nb}.")))
+    lines.append(f"{compare_steps(a, b)}, so {a} {'>' if a > b else '<'} {b}.")
+    halves = [f"the larger is {big}", f"the smaller is {small}"]
+    if maybe(rng, 0.5):
+        halves.reverse()
+    lines.append(f"So {halves[0]} and {halves[1]}.")
+    lines.append(f"We need the {want} one: {small if want == 'smaller' else big}.")
+    return Trace(question, "\n".join(lines), str(big if want == "larger" else small))
+
 # ------------------------------------------------------------------ parity
 
 def sample_parity(rng: random.Random) -> tuple[int]:

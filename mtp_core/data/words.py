@@ -1,6 +1,7 @@
 """Counting a letter in a word and reversing a word: samplers and trace renderers."""
 from __future__ import annotations
 
+import functools
 import random
 import string
 
@@ -72,6 +73,34 @@ def render_count_v3(ops: tuple[str, str], rng: random.Random) -> Trace:
     return Trace(question, "\n".join(lines), str(count))
 
 
+
+def render_count_v6(ops: tuple[str, str], rng: random.Random) -> Trace:
+    """v6: the target letter written once as a space-led token ("Target: t."), the word spelled with hyphens
+    (letter tokens without a space), then each letter space-led with its verdict ("m: no, t: match (1)"). A
+    letter that is the target is then the only earlier copy of its own token outside the checks, which one
+    attention head can find; v3 wrote the target beside every letter ("t vs t -> no" was its main error), so
+    the target token stood everywhere and its copies told nothing. Measured (recipe tiny-r1-v6): it does not
+    work: after 2,000 steps the model never writes "match" (count 20%: every letter that occurs is missed),
+    where the v3 form reached 74% in the same branch (tiny-r1-v5). Kept as a recorded negative result."""
+    word, letter = ops
+    count = word.count(letter)
+    question, lines = _count_opening(word, letter, rng)
+    lines[1] = pick(rng, (f"Target: {letter}.", f"The letter to find: {letter}."))
+    lines.append("-".join(word) + ".")
+    checked, running = [], 0
+    for c in word:
+        running += c == letter
+        checked.append(f"{c}: match ({running})" if c == letter else f"{c}: no")
+    lines.append(pick(rng, ("Checking: ", "Each letter: ", "Letter by letter: ")) + ", ".join(checked) + ".")
+    if count == 0:
+        lines.append(pick(rng, (f"No match at all, so '{letter}' does not appear; the count is 0.",
+                                "Every answer is no, so 0.")))
+    else:
+        lines.append(pick(rng, (f"The last match is number {count}, so '{letter}' appears {times(count)}.",
+                                f"{count} {'match' if count == 1 else 'matches'} in all. Total: {count}.",
+                                f"That makes {count}.")))
+    return Trace(question, "\n".join(lines), str(count))
+
 # ------------------------------------------------------------------ reversing a word
 
 def sample_reverse(rng: random.Random) -> tuple[str]:
@@ -110,3 +139,33 @@ def render_reverse(ops: tuple[str], rng: random.Random, spell_joined: bool = Fal
 def render_reverse_v3(ops: tuple[str], rng: random.Random) -> Trace:
     """v3: the joined word and the answer spelled a letter per token in training (see render_reverse)."""
     return render_reverse(ops, rng, spell_joined=True)
+
+
+# ------------------------------------------------------------------ spelling drill (training only)
+
+@functools.lru_cache(maxsize=1)
+def _drill_pieces() -> tuple[str, ...]:
+    """Words whose reversal is a training question: the drill's made-up words are cut from these only, so no
+    piece of a held-out reverse word is drilled that no training word also has."""
+    from mtp_core.data.tasks import split_of
+    return tuple(w for w in WORDS if split_of("reverse", (w,)) == "train")
+
+
+def render_spell_drill(rng: random.Random, num_words: int = 6) -> str:
+    """A plain-text block of made-up words (two or three 2-4 letter pieces of real words), each spelled in a
+    form the count and reverse traces use. Not a chat example: it drills how the tokenizer's pieces are
+    spelled, the first step of every count and reverse trace and the step reverse fails at most."""
+    sources = _drill_pieces()
+    lines = [pick(rng, ("Spelling practice:", "Spell each one:", "Letters of some made-up words:"))]
+    for _ in range(num_words):
+        parts = []
+        for _ in range(rng.randint(2, 3)):
+            w, n = pick(rng, sources), rng.randint(2, 4)
+            i = rng.randint(0, max(len(w) - n, 0))
+            parts.append(w[i:i + n])
+        word = "".join(parts)[:10]
+        numbered = pick(rng, ("{i} {c}", "{i}:{c}", "{c}{i}"))
+        spelled_out = pick(rng, ("-".join(word), " ".join(word), ", ".join(word),
+                                 ", ".join(numbered.format(i=i + 1, c=c) for i, c in enumerate(word))))
+        lines.append(f"\"{word}\": {spelled_out}.")
+    return "\n".join(lines) + "\n\n"

@@ -42,6 +42,15 @@ def build_tokenizer(recipe: Recipe, out_dir: Path):
     return tok
 
 
+def trace_style_at(recipe: Recipe, step: int) -> int:
+    """The trace style (data.tasks.render) of step `step`'s examples."""
+    style = recipe.late_trace_style if 0 <= recipe.v3_traces_from <= step else 2
+    for start, later in recipe.trace_styles:
+        if step >= start:
+            style = later
+    return style
+
+
 def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
     """[B, S] token ids of step `step`: examples packed back to back, a pure function of (seed, step)."""
     from mtp_core.data.dataset import training_texts
@@ -52,13 +61,14 @@ def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
     for start, weights in recipe.mix_segments:       # the last segment that has started decides
         if step >= start:
             mix = dict(weights)
-    v3 = 0 <= recipe.v3_traces_from <= step
+    style = trace_style_at(recipe, step)
     stream = training_texts(seed=recipe.seed * 1_000_003 + step, num_examples=10**6,
                             general_fraction=recipe.general_fraction, family_weights=mix,
-                            drill_fraction=recipe.drill_fraction, style=recipe.late_trace_style if v3 else 2)
+                            drill_fraction=recipe.drill_fraction, style=style,
+                            spell_drill_fraction=recipe.spell_drill_fraction if step >= recipe.spell_drill_from else 0.0)
     while len(ids) < need:
         chunk = list(itertools.islice(stream, 16))
-        if v3:
+        if style >= 3:
             for text in chunk:
                 ids.extend(encode_training_text(tok, text))
         else:
