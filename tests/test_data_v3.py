@@ -43,7 +43,7 @@ def test_v3_keeps_the_question_and_answer_of_v2(family: str) -> None:
 
 def test_unknown_style_is_refused() -> None:
     with pytest.raises(ValueError, match="trace style"):
-        render("add", (1, 2), random.Random(0), style=7)
+        render("add", (1, 2), random.Random(0), style=8)
 
 
 @pytest.mark.parametrize("family", V3_FAMILIES)
@@ -176,14 +176,15 @@ def test_example_for_passes_the_style() -> None:
     assert v3.answer == v2.answer == "3"
 
 
-@pytest.mark.parametrize("style,changed", [(4, ("mul", "compare")), (5, ("compare",)), (6, ("count",))])
-def test_each_later_style_changes_only_its_families(style: int, changed: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("style,base,changed", [(4, 3, ("mul", "compare")), (5, 4, ("compare",)), (6, 5, ("count",)),
+                                                (7, 5, ("sort",))])
+def test_each_later_style_changes_only_its_families(style: int, base: int, changed: tuple[str, ...]) -> None:
     rng = random.Random(style)
     for family in FAMILY_SPECS:
         differs = 0
         for k in range(50):
             ops = sample_operands(family, rng)
-            before = render(family, ops, random.Random(k), style=style - 1)
+            before = render(family, ops, random.Random(k), style=base)
             after = render(family, ops, random.Random(k), style=style)
             assert (after.question, after.answer) == (before.question, before.answer)
             differs += after != before
@@ -298,3 +299,35 @@ def test_shipped_recipe_continues_v5_and_drills_spelling_only_after_it(tok) -> N
         assert torch.equal(batch_for_step(tok, v7, step), batch_for_step(tok, v5, step))
     drilled = [tok.decode(batch_for_step(tok, v7, s).flatten().tolist()) for s in range(end, end + 4)]
     assert any("Spelling practice:" in t or "Spell each one:" in t or "Letters of some" in t for t in drilled)
+
+
+def test_sort_v7_compares_each_number_with_the_running_pick() -> None:
+    rng = random.Random(19)
+    for _ in range(200):
+        ex = sample_example("sort", rng, style=7)
+        asc = "ascending" in ex.question or "smallest to largest" in ex.question or "increasing" in ex.question
+        passes = [ln for ln in ex.reasoning.splitlines() if re.match(r"(Scan|Remaining|Pass \d+|Left): ", ln)]
+        assert passes
+        for line in passes:
+            items = line.split(": ", 1)[1].removesuffix(".")
+            first, *rest = re.split(r", (?=\d+ [\[(])", items)
+            cur = int(first)
+            for item in rest:
+                v, hint, pick_ = re.fullmatch(r"(\d+) [\[(](.*); (\d+)[\])]", item).groups()
+                v = int(v)
+                if len(str(v)) == len(str(cur)):
+                    assert hint == compare_steps(v, cur).split(": ", 1)[1]
+                else:
+                    assert hint == ("longer" if len(str(v)) > len(str(cur)) else "shorter")
+                cur = min(v, cur) if asc else max(v, cur)
+                assert int(pick_) == cur
+        assert extract_answer(ex.completion) == ex.answer
+
+
+def test_v8_recipe_continues_the_shipped_one_on_style_7(tok) -> None:
+    shipped, v8 = RECIPES["tiny-r1"], RECIPES["tiny-r1-v8"]
+    end = shipped.steps
+    assert [trace_style_at(v8, s) for s in (end - 1, end)] == [5, 7]
+    for step in (end - 2, end - 1):
+        assert torch.equal(batch_for_step(tok, v8, step), batch_for_step(tok, shipped, step))
+    assert not torch.equal(batch_for_step(tok, v8, end), batch_for_step(tok, shipped, end))

@@ -17,7 +17,9 @@ def sample_sort(rng: random.Random) -> tuple[str, tuple[int, ...]]:
     return ("desc" if maybe(rng, 0.3) else "asc"), _values(rng, rng.randint(3, 7))
 
 
-def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
+def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random, compare_hint: bool = False) -> Trace:
+    """With `compare_hint` (v7) each number of a pass is compared with the running pick digit by digit before
+    the new pick is written (`83 (8 < 9; 83)`), as the v3 max steps do (v2-v6 models misjudged such pairs)."""
     direction, values = ops
     asc = direction == "asc"
     shown = number_list(values)
@@ -39,12 +41,17 @@ def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
     # Every step is computable from what is already written: a pass copies the remaining numbers in order
     # (the previous pass without its pick) and marks each with the running pick so far.
     mark = pick(rng, ("{v} ({m})", "{v} -> {m}", "{v} [{m}]"))
+    if compare_hint:
+        mark = pick(rng, ("{v} ({c}; {m})", "{v} [{c}; {m}]"))
     rest = list(values)
     for k in range(len(values) - 1):
         cur, marked = rest[0], [str(rest[0])]
         for v in rest[1:]:
+            # the digit pairs up to the first difference, or which number has more digits
+            versus = (compare_steps(v, cur).split(": ", 1)[1] if len(str(v)) == len(str(cur))
+                      else "longer" if len(str(v)) > len(str(cur)) else "shorter")
             cur = v if better(v, cur) else cur
-            marked.append(mark.format(v=v, m=cur))
+            marked.append(mark.format(v=v, m=cur, c=versus))
         head = ph.choose("sort.pass", ("Scan: ", "Remaining: ", f"Pass {k + 1}: ", "Left: "))
         lines.append(head + ", ".join(marked) + ".")
         rest.remove(cur)
@@ -53,11 +60,15 @@ def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
     order = "ascending" if asc else "descending"
     lines.append(pick(rng, (f"Sorted: {number_list(target)}.", f"In {order} order: {number_list(target)}.",
                             f"So the order is {number_list(target)}.")))
-    if maybe(rng, 0.5):
+    if maybe(rng, 0.5) and not compare_hint:     # v7 leaves the check out: its passes are long enough
         relation = "no bigger" if asc else "no smaller"
         lines.append(f"Check: {len(values)} numbers in, {len(values)} numbers out, and each one is "
                      f"{relation} than the next.")
     return Trace(question, "\n".join(lines), number_list(target))
+
+
+def render_sort_v7(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
+    return render_sort(ops, rng, compare_hint=True)
 
 
 # ------------------------------------------------------------------ maximum of a list

@@ -43,8 +43,10 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in (
     Family("sub", arithmetic.sample_sub, arithmetic.render_sub, tuple, 0.17, later={3: arithmetic.render_sub_v3}),
     Family("mul", multiplication.sample_mul, multiplication.render_mul, _unordered, 0.20,
            later={4: multiplication.render_mul_v4}),
-    Family("sort", lists.sample_sort, lists.render_sort, lambda ops: tuple(sorted(ops[1])), 0.10),
-    Family("count", words.sample_count, words.render_count, tuple, 0.09, later={3: words.render_count_v3, 6: words.render_count_v6}),
+    Family("sort", lists.sample_sort, lists.render_sort, lambda ops: tuple(sorted(ops[1])), 0.10,
+           later={7: lists.render_sort_v7}),
+    Family("count", words.sample_count, words.render_count, tuple, 0.09,
+           later={3: words.render_count_v3, 6: words.render_count_v6, 7: words.render_count_v3}),
     Family("compare", lists.sample_compare, lists.render_compare, lambda ops: tuple(sorted(ops[:2])), 0.08,
            later={3: lists.render_compare_v3, 4: lists.render_compare_v4, 5: lists.render_compare_v5}),
     Family("max", lists.sample_max, lists.render_max, _unordered, 0.07, later={3: lists.render_max_v3}),
@@ -79,7 +81,7 @@ def sample_operands(family: str, rng: random.Random, split: str = "train") -> tu
     raise AssertionError(f"no {split} operands for {family} after {_MAX_TRIES} draws")
 
 
-TRACE_STYLES = (2, 3, 4, 5, 6)
+TRACE_STYLES = (2, 3, 4, 5, 6, 7)
 
 
 def render(family: str, ops: tuple, rng: random.Random, style: int = 2) -> Trace:
@@ -87,8 +89,9 @@ def render(family: str, ops: tuple, rng: random.Random, style: int = 2) -> Trace
     style 2 for sub, count, compare, max and reverse; style 4 from style 3 for mul (column method only) and
     compare (the goal stated first and copied last); style 5 from style 4 for compare only (the digit pairs
     written beside the two numbers, a line naming both the larger and the smaller); style 6 from style 5
-    for count only (the target written once, each letter checked without it). The question (drawn first) is
-    the same in all."""
+    for count only (the target written once, each letter checked without it); style 7 is style 5 (count back
+    on its v3 trace) with sort's passes comparing each number with the running pick digit by digit. The
+    question (drawn first) is the same in all."""
     spec = _check_family(family)
     if style not in TRACE_STYLES:
         raise ValueError(f"unknown trace style {style!r}; use one of {', '.join(map(str, TRACE_STYLES))}")

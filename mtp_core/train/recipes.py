@@ -143,8 +143,16 @@ TINY_R1 = replace(_V5, name="tiny-r1", steps=20100, spell_drill_fraction=0.05, s
                   lr_segments=_V5.lr_segments + ((20100, "restart", 2000, 1e-3, 50, 1e-4),),
                   mix_segments=_V5.mix_segments + ((18100, _V7_WEAK),))
 
+_V8_WEAK = (("add", 0.10), ("sub", 0.15), ("mul", 0.12), ("sort", 0.22), ("count", 0.13), ("compare", 0.11),
+            ("max", 0.04), ("reverse", 0.11), ("parity", 0.02))
+
 RECIPES = {
     "tiny-r1": TINY_R1,
+    # v7 (the shipped model) continued for 2,000 steps on the v7 traces (sort's passes compare each number with
+    # the running pick digit by digit), sort weighted up to 0.22, a third warm restart (1e-3 -> 1e-4)
+    "tiny-r1-v8": replace(TINY_R1, name="tiny-r1-v8", steps=22100, trace_styles=((16600, 5), (20100, 7)),
+                          lr_segments=TINY_R1.lr_segments + ((22100, "restart", 2000, 1e-3, 50, 1e-4),),
+                          mix_segments=TINY_R1.mix_segments + ((20100, _V8_WEAK),)),
     # v3, the model shipped before v7 (74% strict / 69% relaxed)
     "tiny-r1-v3": _V3,
     # v3's branch with the v4 traces (mul by the column method only; compare states its goal first): an experiment,
@@ -159,8 +167,8 @@ RECIPES = {
     # the same branch of v4x over 2,000 steps on the v6 traces (v5's compare and a new count trace) with a
     # spelling drill as 5% of the examples: 80% strict / 83% relaxed; count fell to 20% (the v6 count trace is a
     # negative result: see words.render_count_v6), the other families as v5 or better. Not shipped.
-    "tiny-r1-v6": replace(_V4X, name="tiny-r1-v6", steps=18600, trace_styles=((16600, 6),), spell_drill_fraction=0.05,
-                          spell_drill_from=16600,
+    "tiny-r1-v6": replace(_V4X, name="tiny-r1-v6", steps=18600, trace_styles=((16600, 6),),
+                          spell_drill_fraction=0.05, spell_drill_from=16600,
                           lr_segments=_V4X.lr_segments + ((18600, "restart", 2000, 1.5e-3, 50, 1e-4),),
                           mix_segments=_V4X.mix_segments + ((16600, _V5_WEAK),)),
     # v2, the model shipped before v3 (58% strict): v2a's constant phase to step 10,420, then a 3,000-step decay

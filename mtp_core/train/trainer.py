@@ -62,10 +62,10 @@ def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
         if step >= start:
             mix = dict(weights)
     style = trace_style_at(recipe, step)
+    spell = recipe.spell_drill_fraction if step >= recipe.spell_drill_from else 0.0
     stream = training_texts(seed=recipe.seed * 1_000_003 + step, num_examples=10**6,
                             general_fraction=recipe.general_fraction, family_weights=mix,
-                            drill_fraction=recipe.drill_fraction, style=style,
-                            spell_drill_fraction=recipe.spell_drill_fraction if step >= recipe.spell_drill_from else 0.0)
+                            drill_fraction=recipe.drill_fraction, style=style, spell_drill_fraction=spell)
     while len(ids) < need:
         chunk = list(itertools.islice(stream, 16))
         if style >= 3:
