@@ -48,8 +48,9 @@ def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random, compare_hi
         cur, marked = rest[0], [str(rest[0])]
         for v in rest[1:]:
             # the digit pairs up to the first difference, or which number has more digits
-            versus = (compare_steps(v, cur).split(": ", 1)[1] if len(str(v)) == len(str(cur))
-                      else "longer" if len(str(v)) > len(str(cur)) else "shorter")
+            versus = "" if not compare_hint else (
+                compare_steps(v, cur).split(": ", 1)[1] if len(str(v)) == len(str(cur))
+                else "longer" if len(str(v)) > len(str(cur)) else "shorter")
             cur = v if better(v, cur) else cur
             marked.append(mark.format(v=v, m=cur, c=versus))
         head = ph.choose("sort.pass", ("Scan: ", "Remaining: ", f"Pass {k + 1}: ", "Left: "))

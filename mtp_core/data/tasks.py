@@ -29,8 +29,8 @@ class Family:
     canonical: Callable[[tuple], tuple]                 # the key the split is decided on
     weight: float                                       # share of training examples
     eval_percent: int = 10                              # share of the operand space held out
-    # later trace styles where they differ: {style: renderer}; a style without an entry uses the latest
-    # earlier one (style 2 is `render`)
+    # later trace styles where they differ: {style: renderer}; a style without an entry uses its parent's
+    # (STYLE_PARENTS; style 2 is `render`)
     later: dict[int, Callable[[Any, random.Random], Trace]] = field(default_factory=dict)
 
 
@@ -46,7 +46,7 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in (
     Family("sort", lists.sample_sort, lists.render_sort, lambda ops: tuple(sorted(ops[1])), 0.10,
            later={7: lists.render_sort_v7}),
     Family("count", words.sample_count, words.render_count, tuple, 0.09,
-           later={3: words.render_count_v3, 6: words.render_count_v6, 7: words.render_count_v3}),
+           later={3: words.render_count_v3, 6: words.render_count_v6}),
     Family("compare", lists.sample_compare, lists.render_compare, lambda ops: tuple(sorted(ops[:2])), 0.08,
            later={3: lists.render_compare_v3, 4: lists.render_compare_v4, 5: lists.render_compare_v5}),
     Family("max", lists.sample_max, lists.render_max, _unordered, 0.07, later={3: lists.render_max_v3}),
@@ -81,7 +81,9 @@ def sample_operands(family: str, rng: random.Random, split: str = "train") -> tu
     raise AssertionError(f"no {split} operands for {family} after {_MAX_TRIES} draws")
 
 
-TRACE_STYLES = (2, 3, 4, 5, 6, 7)
+# Each later style changes a few families of the style it is built on (its parent) and keeps the rest.
+STYLE_PARENTS = {3: 2, 4: 3, 5: 4, 6: 5, 7: 5}
+TRACE_STYLES = (2, *STYLE_PARENTS)
 
 
 def render(family: str, ops: tuple, rng: random.Random, style: int = 2) -> Trace:
@@ -89,15 +91,16 @@ def render(family: str, ops: tuple, rng: random.Random, style: int = 2) -> Trace
     style 2 for sub, count, compare, max and reverse; style 4 from style 3 for mul (column method only) and
     compare (the goal stated first and copied last); style 5 from style 4 for compare only (the digit pairs
     written beside the two numbers, a line naming both the larger and the smaller); style 6 from style 5
-    for count only (the target written once, each letter checked without it); style 7 is style 5 (count back
-    on its v3 trace) with sort's passes comparing each number with the running pick digit by digit. The
-    question (drawn first) is the same in all."""
+    for count only (the target written once, each letter checked without it); style 7 from style 5 (not 6)
+    for sort only (each number of a pass compared with the running pick digit by digit). The question (drawn
+    first) is the same in all."""
     spec = _check_family(family)
     if style not in TRACE_STYLES:
         raise ValueError(f"unknown trace style {style!r}; use one of {', '.join(map(str, TRACE_STYLES))}")
-    for s in range(style, 2, -1):
-        if s in spec.later:
-            return spec.later[s](ops, rng)
+    while style != 2:
+        if style in spec.later:
+            return spec.later[style](ops, rng)
+        style = STYLE_PARENTS[style]
     return spec.render(ops, rng)
 
 
