@@ -15,9 +15,9 @@ from mtp_core.data import example_for, sample_example
 from mtp_core.data.phrasing import SPELL_CLOSE, SPELL_OPEN, compare_steps, strip_spelled
 from mtp_core.data.scoring import extract_answer
 from mtp_core.data.phrasing import WORDS
-from mtp_core.data.tasks import FAMILY_SPECS, render, sample_operands, split_of
+from mtp_core.data.tasks import FAMILY_SPECS, TRACE_STYLES, render, sample_operands, split_of
 from mtp_core.train.recipes import RECIPES
-from mtp_core.train.trainer import batch_for_step, encode_training_text, trace_style_at
+from mtp_core.train.trainer import batch_for_step, encode_training_text, rows_at, trace_style_at
 
 V3_FAMILIES = ("sub", "count", "compare", "max", "reverse")
 ASSET_TOKENIZER = Path(__file__).resolve().parent.parent / "mtp_core" / "assets" / "tiny-r1" / "tokenizer.json"
@@ -43,7 +43,7 @@ def test_v3_keeps_the_question_and_answer_of_v2(family: str) -> None:
 
 def test_unknown_style_is_refused() -> None:
     with pytest.raises(ValueError, match="trace style"):
-        render("add", (1, 2), random.Random(0), style=8)
+        render("add", (1, 2), random.Random(0), style=max(TRACE_STYLES) + 1)
 
 
 @pytest.mark.parametrize("family", V3_FAMILIES)
@@ -177,7 +177,8 @@ def test_example_for_passes_the_style() -> None:
 
 
 @pytest.mark.parametrize("style,base,changed", [(4, 3, ("mul", "compare")), (5, 4, ("compare",)), (6, 5, ("count",)),
-                                                (7, 5, ("sort",))])
+                                                (7, 5, ("sort",)), (8, 7, ("sort",)),
+                                                (9, 8, ("compare",))])
 def test_each_later_style_changes_only_its_families(style: int, base: int, changed: tuple[str, ...]) -> None:
     rng = random.Random(style)
     for family in FAMILY_SPECS:
@@ -324,10 +325,65 @@ def test_sort_v7_compares_each_number_with_the_running_pick() -> None:
         assert extract_answer(ex.completion) == ex.answer
 
 
-def test_v8_recipe_continues_the_shipped_one_on_style_7(tok) -> None:
-    shipped, v8 = RECIPES["tiny-r1"], RECIPES["tiny-r1-v8"]
-    end = shipped.steps
-    assert [trace_style_at(v8, s) for s in (end - 1, end)] == [5, 7]
+def test_sort_v9_writes_every_number_each_pass_and_marks_the_taken_ones_out() -> None:
+    rng = random.Random(23)
+    for _ in range(200):
+        ex = sample_example("sort", rng, style=8)
+        values = [int(v) for v in re.search(r"(\d+(?:, \d+)+)", ex.question).group(1).split(", ")]
+        asc = "ascending" in ex.question or "smallest to largest" in ex.question or "increasing" in ex.question
+        lines = ex.reasoning.splitlines()
+        passes = [i for i, ln in enumerate(lines) if re.match(r"(Scan|Pass \d+|Round \d+|Now): ", ln)]
+        assert len(passes) == len(values) - 1
+        taken: list[int] = []      # positions in the question's order
+        for i in passes:
+            items = re.split(r", (?=\d+(?: out| [\[(]|,|$))", lines[i].split(": ", 1)[1].removesuffix("."))
+            assert len(items) == len(values)
+            cur = None
+            for pos, (v, item) in enumerate(zip(values, items)):
+                if pos in taken:
+                    assert item == f"{v} out"
+                elif cur is None:
+                    assert item == str(v)
+                    cur = pos
+                else:
+                    w, hint, pick_ = re.fullmatch(r"(\d+) [\[(](.*); (\d+)[\])]", item).groups()
+                    assert int(w) == v
+                    c = values[cur]
+                    if len(str(v)) == len(str(c)):
+                        assert hint == compare_steps(v, c).split(": ", 1)[1]
+                    else:
+                        assert hint == ("longer" if len(str(v)) > len(str(c)) else "shorter")
+                    if (v < c) if asc else (v > c):
+                        cur = pos
+                    assert int(pick_) == values[cur]
+            assert str(values[cur]) in lines[i + 1]     # the take line names the pick
+            taken.append(cur)
+        assert [values[p] for p in taken] + [v for p, v in enumerate(values) if p not in taken] == \
+            sorted(values, reverse=not asc)
+        assert extract_answer(ex.completion) == ex.answer
+
+
+@pytest.mark.parametrize("parent,child,styles,shapes", [
+    ("tiny-r1", "tiny-r1-v8", (5, 7), ((4, 512, 0.5), (4, 512, 0.5))),
+    ("tiny-r1-v8", "tiny-r1-v9", (7, 8), ((4, 512, 0.5), (3, 768, 1 / 3))),
+    ("tiny-r1-v9", "tiny-r1-v10", (8, 9), ((3, 768, 1 / 3), (3, 768, 1 / 3)))])
+def test_continuation_recipes_switch_where_their_parent_ends(tok, parent, child, styles, shapes) -> None:
+    before, after = RECIPES[parent], RECIPES[child]
+    end = before.steps
+    assert tuple(trace_style_at(after, s) for s in (end - 1, end)) == styles
+    assert tuple(rows_at(after, s) for s in (end - 1, end)) == shapes
     for step in (end - 2, end - 1):
-        assert torch.equal(batch_for_step(tok, v8, step), batch_for_step(tok, shipped, step))
-    assert not torch.equal(batch_for_step(tok, v8, end), batch_for_step(tok, shipped, end))
+        assert torch.equal(batch_for_step(tok, after, step), batch_for_step(tok, before, step))
+    assert batch_for_step(tok, after, end).shape == shapes[1][:2]
+    assert any(not torch.equal(batch_for_step(tok, after, s), batch_for_step(tok, before, s)) for s in range(end, end + 3))
+
+def test_compare_v9_states_whether_the_lengths_match_before_comparing() -> None:
+    rng = random.Random(29)
+    for _ in range(300):
+        ex = sample_example("compare", rng, style=9)
+        a, b = (int(x) for x in re.findall(r"\d+", ex.question)[:2])
+        verdict = re.search(r"has \d+(?: digits?)?: (.*)\.$", ex.reasoning, re.M).group(1)
+        assert verdict == ("the same length" if len(str(a)) == len(str(b))
+                           else f"{a if len(str(a)) > len(str(b)) else b} is longer")
+        assert f"{compare_steps(a, b)}, so {a} {'>' if a > b else '<'} {b}." in ex.reasoning
+        assert extract_answer(ex.completion) == ex.answer

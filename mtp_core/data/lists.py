@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 from mtp_core.data.phrasing import Phraser, Trace, compare_steps, digits_of, maybe, number_list, pick, place
 
@@ -17,11 +18,8 @@ def sample_sort(rng: random.Random) -> tuple[str, tuple[int, ...]]:
     return ("desc" if maybe(rng, 0.3) else "asc"), _values(rng, rng.randint(3, 7))
 
 
-def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random, compare_hint: bool = False) -> Trace:
-    """With `compare_hint` (v7) each number of a pass is compared with the running pick digit by digit before
-    the new pick is written (`83 (8 < 9; 83)`), as the v3 max steps do (v2-v6 models misjudged such pairs)."""
-    direction, values = ops
-    asc = direction == "asc"
+def _sort_opening(values: tuple[int, ...], asc: bool, rng: random.Random) -> tuple[str, list[str], str, Callable]:
+    """The question, the plan line, the word for the pick ('smallest' / 'largest') and its order test."""
     shown = number_list(values)
     if asc:
         question = pick(rng, (f"Sort these numbers in ascending order: {shown}.",
@@ -31,13 +29,28 @@ def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random, compare_hi
         question = pick(rng, (f"Sort these numbers in descending order: {shown}.",
                               f"Put {shown} in order from largest to smallest.",
                               f"Arrange in decreasing order: {shown}."))
-    target = sorted(values, reverse=not asc)
-    ph = Phraser(rng)
     word = "smallest" if asc else "largest"
     better = (lambda x, y: x < y) if asc else (lambda x, y: x > y)
-    lines: list[str] = [pick(rng, (f"I'll repeatedly take the {word} remaining number.",
-                                   f"Let me pick out the {word} number each time.",
-                                   f"Selection sort: find the {word}, remove it, and repeat."))]
+    lines = [pick(rng, (f"I'll repeatedly take the {word} remaining number.",
+                        f"Let me pick out the {word} number each time.",
+                        f"Selection sort: find the {word}, remove it, and repeat."))]
+    return question, lines, word, better
+
+
+def _sort_result(target: list[int], asc: bool, rng: random.Random) -> str:
+    order = "ascending" if asc else "descending"
+    return pick(rng, (f"Sorted: {number_list(target)}.", f"In {order} order: {number_list(target)}.",
+                      f"So the order is {number_list(target)}."))
+
+
+def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random, compare_hint: bool = False) -> Trace:
+    """With `compare_hint` (v7) each number of a pass is compared with the running pick digit by digit before
+    the new pick is written (`83 (8 < 9; 83)`), as the v3 max steps do (v2-v6 models misjudged such pairs)."""
+    direction, values = ops
+    asc = direction == "asc"
+    question, lines, word, better = _sort_opening(values, asc, rng)
+    target = sorted(values, reverse=not asc)
+    ph = Phraser(rng)
     # Every step is computable from what is already written: a pass copies the remaining numbers in order
     # (the previous pass without its pick) and marks each with the running pick so far.
     mark = pick(rng, ("{v} ({m})", "{v} -> {m}", "{v} [{m}]"))
@@ -48,9 +61,7 @@ def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random, compare_hi
         cur, marked = rest[0], [str(rest[0])]
         for v in rest[1:]:
             # the digit pairs up to the first difference, or which number has more digits
-            versus = "" if not compare_hint else (
-                compare_steps(v, cur).split(": ", 1)[1] if len(str(v)) == len(str(cur))
-                else "longer" if len(str(v)) > len(str(cur)) else "shorter")
+            versus = "" if not compare_hint else _versus(v, cur)
             cur = v if better(v, cur) else cur
             marked.append(mark.format(v=v, m=cur, c=versus))
         head = ph.choose("sort.pass", ("Scan: ", "Remaining: ", f"Pass {k + 1}: ", "Left: "))
@@ -58,9 +69,7 @@ def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random, compare_hi
         rest.remove(cur)
         lines.append(ph.choose("sort.take", (f"{word.capitalize()}: {cur}.", f"Take {cur}.", f"The {word} is {cur}.")))
     lines.append(pick(rng, (f"Only {rest[0]} is left.", f"The last one is {rest[0]}.", f"Take {rest[0]}.")))
-    order = "ascending" if asc else "descending"
-    lines.append(pick(rng, (f"Sorted: {number_list(target)}.", f"In {order} order: {number_list(target)}.",
-                            f"So the order is {number_list(target)}.")))
+    lines.append(_sort_result(target, asc, rng))
     if maybe(rng, 0.5) and not compare_hint:     # v7 leaves the check out: its passes are long enough
         relation = "no bigger" if asc else "no smaller"
         lines.append(f"Check: {len(values)} numbers in, {len(values)} numbers out, and each one is "
@@ -68,8 +77,55 @@ def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random, compare_hi
     return Trace(question, "\n".join(lines), number_list(target))
 
 
+def _versus(v: int, cur: int) -> str:
+    """Sort's hint: the digit pairs up to the first difference, or which of the two has more digits."""
+    if len(str(v)) != len(str(cur)):
+        return "longer" if len(str(v)) > len(str(cur)) else "shorter"
+    return compare_steps(v, cur).split(": ", 1)[1]
+
+
 def render_sort_v7(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
     return render_sort(ops, rng, compare_hint=True)
+
+
+def render_sort_v9(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
+    """v9: every pass writes the whole list in the question's order; a number taken by an earlier pass is
+    written as `62 out`, the others carry v7's digit-by-digit hint against the running pick. So a pass is
+    the previous pass with one more number marked out (the one its `Take` line named), not a shorter copy:
+    v8's sort failures were copies that dropped or repeated a number."""
+    direction, values = ops
+    asc = direction == "asc"
+    question, lines, word, better = _sort_opening(values, asc, rng)
+    ph = Phraser(rng)
+    mark = pick(rng, ("{v} ({c}; {m})", "{v} [{c}; {m}]"))
+    taken = [False] * len(values)
+    picks = []
+    for k in range(len(values) - 1):
+        cur_i, marked = -1, []
+        for i, v in enumerate(values):
+            if taken[i]:
+                marked.append(f"{v} out")
+            elif cur_i < 0:
+                cur_i = i
+                marked.append(str(v))
+            else:
+                cur = values[cur_i]
+                versus = _versus(v, cur)
+                if better(v, cur):
+                    cur_i = i
+                marked.append(mark.format(v=v, m=values[cur_i], c=versus))
+        head = ph.choose("sort.pass", ("Scan: ", f"Pass {k + 1}: ", f"Round {k + 1}: ", "Now: "))
+        lines.append(head + ", ".join(marked) + ".")
+        taken[cur_i] = True
+        picks.append(values[cur_i])
+        lines.append(ph.choose("sort.take", (f"{word.capitalize()}: {values[cur_i]}.", f"Take {values[cur_i]}.",
+                                             f"The {word} is {values[cur_i]}.", f"{values[cur_i]} is out next.")))
+    last = values[taken.index(False)]
+    lines.append(pick(rng, (f"Only {last} is left.", f"The last one is {last}.", f"Take {last}.")))
+    target = picks + [last]
+    assert target == sorted(values, reverse=not asc)
+    lines.append(_sort_result(target, asc, rng))
+    return Trace(question, "\n".join(lines), number_list(target))
 
 
 # ------------------------------------------------------------------ maximum of a list
@@ -238,17 +294,26 @@ def render_compare_v4(ops: tuple[int, int, str], rng: random.Random) -> Trace:
 
 
 
-def render_compare_v5(ops: tuple[int, int, str], rng: random.Random) -> Trace:
+def render_compare_v5(ops: tuple[int, int, str], rng: random.Random, length_verdict: bool = False) -> Trace:
     """v5: the goal first; the two numbers compared in one line, each digit pair written next to them (as the
     v3 max steps do: v4 models fetched the second number's digit by its count mark wrong); a line naming both
     the larger and the smaller (in either order), so the goal word asked at the end is not simply the nearest;
-    then the goal copied with its number."""
+    then the goal copied with its number. With `length_verdict` (v9) the line of the two lengths ends with
+    its verdict (`: the same length.` / `: 40906 is longer.`), which decides the form of the next line (v8
+    models compared equal lengths as '3 digits vs 5 digits')."""
     a, b, want = ops
     big, small = max(a, b), min(a, b)
     question, lines = _compare_opening(a, b, want, rng)
     na, nb = len(str(a)), len(str(b))
     lines.insert(0, pick(rng, (f"We need the {want} one.", f"The question asks for the {want} number.")))
-    lines.append(pick(rng, (f"{a} has {_digits(na)} and {b} has {_digits(nb)}.", f"So {a} has {na} and {b} has {nb}.")))
+    lengths = pick(rng, (f"{a} has {_digits(na)} and {b} has {_digits(nb)}", f"So {a} has {na} and {b} has {nb}"))
+    if not length_verdict:
+        verdict = ""
+    elif na == nb:
+        verdict = ": the same length"
+    else:
+        verdict = f": {a if na > nb else b} is longer"
+    lines.append(f"{lengths}{verdict}.")
     lines.append(f"{compare_steps(a, b)}, so {a} {'>' if a > b else '<'} {b}.")
     halves = [f"the larger is {big}", f"the smaller is {small}"]
     if maybe(rng, 0.5):
@@ -256,6 +321,10 @@ def render_compare_v5(ops: tuple[int, int, str], rng: random.Random) -> Trace:
     lines.append(f"So {halves[0]} and {halves[1]}.")
     lines.append(f"We need the {want} one: {small if want == 'smaller' else big}.")
     return Trace(question, "\n".join(lines), str(big if want == "larger" else small))
+
+def render_compare_v9(ops: tuple[int, int, str], rng: random.Random) -> Trace:
+    return render_compare_v5(ops, rng, length_verdict=True)
+
 
 # ------------------------------------------------------------------ parity
 

@@ -44,11 +44,12 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in (
     Family("mul", multiplication.sample_mul, multiplication.render_mul, _unordered, 0.20,
            later={4: multiplication.render_mul_v4}),
     Family("sort", lists.sample_sort, lists.render_sort, lambda ops: tuple(sorted(ops[1])), 0.10,
-           later={7: lists.render_sort_v7}),
+           later={7: lists.render_sort_v7, 8: lists.render_sort_v9}),
     Family("count", words.sample_count, words.render_count, tuple, 0.09,
            later={3: words.render_count_v3, 6: words.render_count_v6}),
     Family("compare", lists.sample_compare, lists.render_compare, lambda ops: tuple(sorted(ops[:2])), 0.08,
-           later={3: lists.render_compare_v3, 4: lists.render_compare_v4, 5: lists.render_compare_v5}),
+           later={3: lists.render_compare_v3, 4: lists.render_compare_v4, 5: lists.render_compare_v5,
+                  9: lists.render_compare_v9}),
     Family("max", lists.sample_max, lists.render_max, _unordered, 0.07, later={3: lists.render_max_v3}),
     # Only ~350 words: hold out a fifth of them so 50 distinct eval questions exist.
     Family("reverse", words.sample_reverse, words.render_reverse, tuple, 0.07, eval_percent=20,
@@ -82,7 +83,7 @@ def sample_operands(family: str, rng: random.Random, split: str = "train") -> tu
 
 
 # Each later style changes a few families of the style it is built on (its parent) and keeps the rest.
-STYLE_PARENTS = {3: 2, 4: 3, 5: 4, 6: 5, 7: 5}
+STYLE_PARENTS = {3: 2, 4: 3, 5: 4, 6: 5, 7: 5, 8: 7, 9: 8}
 TRACE_STYLES = (2, *STYLE_PARENTS)
 
 
@@ -92,7 +93,9 @@ def render(family: str, ops: tuple, rng: random.Random, style: int = 2) -> Trace
     compare (the goal stated first and copied last); style 5 from style 4 for compare only (the digit pairs
     written beside the two numbers, a line naming both the larger and the smaller); style 6 from style 5
     for count only (the target written once, each letter checked without it); style 7 from style 5 (not 6)
-    for sort only (each number of a pass compared with the running pick digit by digit). The question (drawn
+    for sort only (each number of a pass compared with the running pick digit by digit); style 8 from style 7
+    for sort only (every pass writes the whole list, numbers taken earlier marked `out`); style 9 from style 8
+    for compare only (the line of the two lengths ends with its verdict). The question (drawn
     first) is the same in all."""
     spec = _check_family(family)
     if style not in TRACE_STYLES:

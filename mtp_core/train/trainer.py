@@ -55,7 +55,8 @@ def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
     """[B, S] token ids of step `step`: examples packed back to back, a pure function of (seed, step)."""
     from mtp_core.data.dataset import training_texts
 
-    need = recipe.batch_size * recipe.seq_len
+    rows, seq_len, _ = rows_at(recipe, step)
+    need = rows * seq_len
     ids: list[int] = []
     mix = None
     for start, weights in recipe.mix_segments:       # the last segment that has started decides
@@ -74,7 +75,17 @@ def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
         else:
             for enc in tok.encode_batch(chunk, add_special_tokens=False):
                 ids.extend(enc.ids)
-    return torch.tensor(ids[:need], dtype=torch.long).view(recipe.batch_size, recipe.seq_len)
+    return torch.tensor(ids[:need], dtype=torch.long).view(rows, seq_len)
+
+
+def rows_at(recipe: Recipe, step: int) -> tuple[int, int, float]:
+    """(rows, tokens per row, share of the rows with MTP losses) of step `step`'s batch: the recipe's, or a
+    later shape (row_shapes)."""
+    shape = (recipe.batch_size, recipe.seq_len, recipe.mtp_batch_fraction)
+    for start, *later in recipe.row_shapes:
+        if step >= start:
+            shape = tuple(later)
+    return shape
 
 
 def encode_training_text(tok, text: str) -> list[int]:
@@ -242,7 +253,7 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
             h = model.forward_dense(ids)
             logits = model.lm_head(h[:, :-1]).float()
             main_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-            rows = max(1, round(ids.shape[0] * recipe.mtp_batch_fraction))
+            rows = max(1, round(ids.shape[0] * rows_at(recipe, step)[2]))
             v_losses, e_losses, v_acc, e_acc = mtp_losses(model, ids[:rows], h[:rows], recipe.num_mtp_modules,
                                                           recipe.eagle_depth)
         loss = main_loss + recipe.mtp_lambda * torch.stack(v_losses).mean()
