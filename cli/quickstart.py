@@ -21,7 +21,7 @@ from cli.common import (EXIT_INTERRUPT, Progress, build_llm_config, install_one_
 install_one_line_usage_errors()
 log = logging.getLogger("mtp.cli")
 
-SHIPPED_MAX_TOKENS = 512   # --max_tokens when the shipped model runs with no --max_tokens given
+SHIPPED_MAX_TOKENS = 768   # --max_tokens when the shipped model runs with no --max_tokens given
 # Three held-out questions (eval/ beside the shipped model) that the shipped model answers correctly with greedy
 # decoding (so with MTP, which is lossless), worded as it was trained; tests/test_shipped_model.py checks them.
 DEFAULT_PROMPTS = [
@@ -97,7 +97,7 @@ def quickstart_command(
                                              help="Checkpoint directory (default: the shipped model)."),
     prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="Prompt(s); `-` reads one per line from stdin."),
     max_tokens: int = typer.Option(64, "--max_tokens",
-                                   help="Tokens to generate per prompt (512 for the shipped model without --model_dir)."),
+                                   help="Tokens to generate per prompt (768 for the shipped model without --model_dir)."),
     max_batch_size: int = typer.Option(8, "--max_batch_size",
                                        help="Most requests in one engine step (TensorRT-LLM: 2048; the CPU KV "
                                             "pool is capped at max_batch_size x max_seq_len)."),

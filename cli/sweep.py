@@ -62,7 +62,7 @@ def sweep_command(
     bandwidth_mib: int = typer.Option(256, "--bandwidth_mib", help="Buffer size of the bandwidth measurement."),
     accuracy: bool = typer.Option(False, "--accuracy", help="Also score every task set, strict vs relaxed (figure 8)."),
     accuracy_per_family: int = typer.Option(10, "--accuracy_per_family", help="Held-out questions per task set."),
-    accuracy_max_tokens: int = typer.Option(384, "--accuracy_max_tokens",
+    accuracy_max_tokens: int = typer.Option(768, "--accuracy_max_tokens",
                                              help="Token limit of accuracy runs (EOS ends them)."),
     accuracy_concurrency: int = typer.Option(8, "--accuracy_concurrency", help="Requests in flight in accuracy runs."),
     peers: bool = typer.Option(False, "--peers", help="Also time Hugging Face generate (plain, prompt lookup)."),

@@ -12,7 +12,7 @@ mkdir -p "$out"
 T=1
 for mode in strict relaxed; do
   flag=""; [ $mode = relaxed ] && flag="--relaxed"
-  python3 scripts/eval_model.py "$run/model" --per_task 50 --max_tokens 512 --threads $T $flag \
+  python3 scripts/eval_model.py "$run/model" --per_task 50 --max_tokens 768 --threads $T $flag \
     --json "$out/eval_$mode.json" | tee "$out/eval_$mode.txt"
 done
 mtp sweep --model_dir "$run/model" --max_nextn 3 --num_requests 9 --output_tokens 128 --num_threads $T --no_plot \

@@ -30,7 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model_dir", default="mtp_core/assets/tiny-r1")
     ap.add_argument("--per_family", type=int, default=10)
-    ap.add_argument("--max_tokens", type=int, default=256)
+    ap.add_argument("--max_tokens", type=int, default=768)
     ap.add_argument("--out", default="runs/quant")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()

@@ -292,8 +292,8 @@ def test_v6_recipe_branches_from_v4x(tok) -> None:
     assert ": match (" in text or ": no, " in text
 
 
-def test_shipped_recipe_continues_v5_and_drills_spelling_only_after_it(tok) -> None:
-    v5, v7 = RECIPES["tiny-r1-v5"], RECIPES["tiny-r1"]
+def test_v7_recipe_continues_v5_and_drills_spelling_only_after_it(tok) -> None:
+    v5, v7 = RECIPES["tiny-r1-v5"], RECIPES["tiny-r1-v7"]
     end = v5.steps
     assert trace_style_at(v7, end) == trace_style_at(v5, end - 1) == 5
     for step in (0, 14000, end - 3, end - 2, end - 1):
@@ -364,9 +364,9 @@ def test_sort_v9_writes_every_number_each_pass_and_marks_the_taken_ones_out() ->
 
 
 @pytest.mark.parametrize("parent,child,styles,shapes", [
-    ("tiny-r1", "tiny-r1-v8", (5, 7), ((4, 512, 0.5), (4, 512, 0.5))),
+    ("tiny-r1-v7", "tiny-r1-v8", (5, 7), ((4, 512, 0.5), (4, 512, 0.5))),
     ("tiny-r1-v8", "tiny-r1-v9", (7, 8), ((4, 512, 0.5), (3, 768, 1 / 3))),
-    ("tiny-r1-v9", "tiny-r1-v10", (8, 9), ((3, 768, 1 / 3), (3, 768, 1 / 3)))])
+    ("tiny-r1-v9", "tiny-r1", (8, 9), ((3, 768, 1 / 3), (3, 768, 1 / 3)))])
 def test_continuation_recipes_switch_where_their_parent_ends(tok, parent, child, styles, shapes) -> None:
     before, after = RECIPES[parent], RECIPES[child]
     end = before.steps
