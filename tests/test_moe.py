@@ -234,3 +234,46 @@ def test_fusion_leaves_training_on_the_routed_path() -> None:
     x = torch.randn(4, HIDDEN, requires_grad=True)
     moe(x).sum().backward()
     assert x.grad is not None and moe.load_counts.sum() == 4 * moe.gate.top_k
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64])
+def test_training_path_matches_the_routed_loop_with_its_gradients(tokens: int) -> None:
+    """MoE.grouped (training: batched matmuls over a capacity-padded layout) computes what routed() does,
+    forward and backward, with unequal expert loads and idle experts."""
+    results = []
+    for path in ("grouped", "routed"):
+        torch.manual_seed(tokens)
+        moe = MoE(make_cfg())
+        init_weights(moe, 3, std=0.1)
+        moe.train()
+        x = torch.randn(tokens, HIDDEN).requires_grad_(True)
+        weights, idx = moe.gate(x)
+        if tokens > 1:
+            assert torch.bincount(idx.flatten(), minlength=len(moe.experts)).unique().numel() > 1
+        out = getattr(moe, path)(x, weights, idx)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads = [x.grad] + [p.grad if p.grad is not None else torch.zeros_like(p) for p in moe.parameters()]
+        results.append((out.detach(), grads))
+    (a, ga), (b, gb) = results
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for g1, g2 in zip(ga, gb):
+        torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-6)
+    assert any(g.abs().sum() > 0 for g in ga[1:])
+
+
+def test_training_forward_takes_the_grouped_path() -> None:
+    moe = MoE(make_cfg())
+    init_weights(moe, 1, std=0.1)
+    moe.train()
+    x = torch.randn(2, 5, HIDDEN)
+    with torch.no_grad():
+        ref = moe.routed(x.reshape(-1, HIDDEN), *moe.gate(x.reshape(-1, HIDDEN))) + moe.shared_experts(x.reshape(-1, HIDDEN))
+    calls = []
+    orig = MoE.grouped
+    MoE.grouped = lambda self, *a: calls.append(1) or orig(self, *a)
+    try:
+        out = moe(x)
+    finally:
+        MoE.grouped = orig
+    assert calls == [1]
+    torch.testing.assert_close(out.reshape(-1, HIDDEN), ref, rtol=1e-5, atol=1e-6)
