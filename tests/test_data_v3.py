@@ -366,7 +366,8 @@ def test_sort_v9_writes_every_number_each_pass_and_marks_the_taken_ones_out() ->
 @pytest.mark.parametrize("parent,child,styles,shapes", [
     ("tiny-r1-v7", "tiny-r1-v8", (5, 7), ((4, 512, 0.5), (4, 512, 0.5))),
     ("tiny-r1-v8", "tiny-r1-v9", (7, 8), ((4, 512, 0.5), (3, 768, 1 / 3))),
-    ("tiny-r1-v9", "tiny-r1", (8, 9), ((3, 768, 1 / 3), (3, 768, 1 / 3)))])
+    ("tiny-r1-v9", "tiny-r1", (8, 9), ((3, 768, 1 / 3), (3, 768, 1 / 3))),
+    ("tiny-r1", "tiny-r1-v11", (9, 9), ((3, 768, 1 / 3), (3, 768, 1 / 3)))])
 def test_continuation_recipes_switch_where_their_parent_ends(tok, parent, child, styles, shapes) -> None:
     before, after = RECIPES[parent], RECIPES[child]
     end = before.steps
