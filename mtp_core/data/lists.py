@@ -293,7 +293,6 @@ def render_compare_v4(ops: tuple[int, int, str], rng: random.Random) -> Trace:
     return render_compare_v3(ops, rng, restate_goal=True)
 
 
-
 def render_compare_v5(ops: tuple[int, int, str], rng: random.Random, length_verdict: bool = False) -> Trace:
     """v5: the goal first; the two numbers compared in one line, each digit pair written next to them (as the
     v3 max steps do: v4 models fetched the second number's digit by its count mark wrong); a line naming both
@@ -321,6 +320,7 @@ def render_compare_v5(ops: tuple[int, int, str], rng: random.Random, length_verd
     lines.append(f"So {halves[0]} and {halves[1]}.")
     lines.append(f"We need the {want} one: {small if want == 'smaller' else big}.")
     return Trace(question, "\n".join(lines), str(big if want == "larger" else small))
+
 
 def render_compare_v9(ops: tuple[int, int, str], rng: random.Random) -> Trace:
     return render_compare_v5(ops, rng, length_verdict=True)

@@ -73,7 +73,6 @@ def render_count_v3(ops: tuple[str, str], rng: random.Random) -> Trace:
     return Trace(question, "\n".join(lines), str(count))
 
 
-
 def render_count_v6(ops: tuple[str, str], rng: random.Random) -> Trace:
     """v6: the target letter written once as a space-led token ("Target: t."), the word spelled with hyphens
     (letter tokens without a space), then each letter space-led with its verdict ("m: no, t: match (1)"). A
@@ -100,6 +99,7 @@ def render_count_v6(ops: tuple[str, str], rng: random.Random) -> Trace:
                                 f"{count} {'match' if count == 1 else 'matches'} in all. Total: {count}.",
                                 f"That makes {count}.")))
     return Trace(question, "\n".join(lines), str(count))
+
 
 # ------------------------------------------------------------------ reversing a word
 
