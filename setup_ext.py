@@ -90,9 +90,13 @@ def get_extensions() -> tuple[list[Any], dict[str, type]]:
 
     # no fused multiply-add contraction: the fused CPU ops round each product as the torch references do
     cxx_flags = ["-O3", "-std=c++20", "-ffp-contract=off"]
+    # OpenMP: at::parallel_for is inline OpenMP in torch's headers, so without -fopenmp the native forward's
+    # thread team would be one thread; -lgomp resolves to the libgomp.so.1 torch already loaded (same soname,
+    # one runtime, one thread pool)
     extensions = [
         CppExtension("mtp_core._C", sources=_sources("*.cpp") + _sources("cpu/*.cpp"),
-                     extra_compile_args={"cxx": cxx_flags}, optional=True),
+                     extra_compile_args={"cxx": cxx_flags + ["-fopenmp"]}, extra_link_args=["-fopenmp"],
+                     optional=True),
     ]
     if torch.version.cuda and CUDA_HOME:
         archs = cuda_archs(CUDA_HOME)

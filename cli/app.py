@@ -5,6 +5,7 @@ import sys
 
 import typer
 
+from cli.make_scale import make_scale_command
 from cli.make_tiny import make_tiny_command
 from cli.quickstart import quickstart_command
 
@@ -14,6 +15,8 @@ app.command("quickstart", help="Generate text for prompts (mirror of TensorRT-LL
             context_settings={"help_option_names": ["-h", "--help"]})(quickstart_command)
 app.command("make-tiny", help="Write a tiny random DeepSeek-V3 checkpoint (for tests and offline trials).")(
     make_tiny_command)
+app.command("make-scale", help="Write a random checkpoint with real DeepSeek-V3-architecture widths (Moonlight, "
+            "DeepSeek-V3), tensor by tensor.")(make_scale_command)
 
 from cli.train import train_command  # noqa: E402
 

@@ -169,7 +169,7 @@ def build_llm_config(p: dict[str, Any], explicit: dict[str, Any], note: Callable
         cuda_graph_config=graphs, moe_config=MoeConfig(backend=p.get("moe_backend", "auto")),
         disable_overlap_scheduler=p["disable_overlap_scheduler"],
         enable_chunked_prefill=p["enable_chunked_prefill"], print_iter_log=p["print_iter_log"],
-        tensor_parallel_size=p["tp_size"], keep_quantized=p.get("keep_quantized", False),
+        tensor_parallel_size=p["tp_size"], keep_quantized=(True if p.get("keep_quantized") else False if p.get("dequantize") else None),
         moe_expert_parallel_size=1 if p["moe_ep_size"] == -1 else p["moe_ep_size"],
         num_threads=p.get("num_threads"), device=default_device(),
     )
@@ -246,8 +246,14 @@ def check_device_features(cfg) -> None:
         if cfg.moe_config.backend in GPU_MOE_BACKENDS:
             log.warning("MoE backend %s needs an NVIDIA GPU and %s; using the PyTorch MoE",
                         cfg.moe_config.backend, why)
-    kv, model = cfg.kv_cache_config.dtype, str(resolve_dtype(cfg.dtype, cfg.device)).replace("torch.", "")
-    if kv not in ("auto", "fp8", model):
+    kv = cfg.kv_cache_config.dtype
+    if kv in ("auto", "fp8"):
+        return
+    from mtp_core.loader.checkpoint import open_checkpoint
+    from mtp_core.loader.weights import checkpoint_dtype
+    model = str(resolve_dtype(cfg.dtype, cfg.device, checkpoint_dtype(open_checkpoint(cfg.model_dir))))
+    model = model.replace("torch.", "")
+    if kv != model:
         raise ValueError(f"kv_cache_config.dtype {kv} differs from the model dtype {model}; the KV cache is kept "
                          "in the model dtype, use auto (or change --dtype)")
 

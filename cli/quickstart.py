@@ -131,7 +131,7 @@ def quickstart_command(
     top_k: int = typer.Option(0, "--top_k", help="Sample from the top-k tokens (0 = off)."),
     top_p: float = typer.Option(1.0, "--top_p", help="Nucleus sampling mass (1 = off)."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
-    dtype: Dtype = typer.Option(Dtype.auto, "--dtype", case_sensitive=False, help="auto = float32 on CPU."),
+    dtype: Dtype = typer.Option(Dtype.auto, "--dtype", case_sensitive=False, help="auto = the checkpoint's dtype on CPU (fp32 without the native kernels), bf16 on GPUs."),
     num_threads: Optional[int] = typer.Option(None, "--num_threads", help="CPU threads (default: torch's choice)."),
     tp_size: int = typer.Option(1, "--tp_size", help="Tensor-parallel size (launch with torchrun --nproc_per_node N)."),
     moe_ep_size: int = typer.Option(-1, "--moe_ep_size", help="Expert-parallel size; -1 = auto (1 here)."),
@@ -155,8 +155,12 @@ def quickstart_command(
     enable_chunked_prefill: bool = typer.Option(False, "--enable_chunked_prefill",
                                                 help="Split long prompts over steps."),
     print_iter_log: bool = typer.Option(False, "--print_iter_log", help="One stderr line per engine step."),
-    keep_quantized: bool = typer.Option(False, "--keep_quantized",
-                                        help="Keep FP8/NVFP4 weights packed and dequantize per layer (less memory)."),
+    keep_quantized: bool = typer.Option(
+        False, "--keep_quantized",
+        help="Keep FP8/NVFP4 weights packed on every device (default: packed on a CPU with the native kernels, "
+             "which dequantize them in registers)."),
+    dequantize: bool = typer.Option(False, "--dequantize",
+                                    help="Dequantize FP8/NVFP4 weights at load to --dtype (more memory)."),
     apply_chat_template: bool = typer.Option(False, "--apply_chat_template", help="Wrap prompts in the chat template."),
     trust_remote_code: bool = typer.Option(False, "--trust_remote_code",
                                            help="Accepted and ignored: no code from the model directory is ever run."),

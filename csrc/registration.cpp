@@ -25,17 +25,7 @@ TORCH_LIBRARY(mtp_core, m) {
   // Rotary embedding of x [T, ..., D] with float32 cos/sin [T, D/2]; output [rot. x1 | rot. x2] where
   // (x1, x2) are the even/odd (interleave) or first/second-half elements.
   m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleave) -> Tensor");
-  // Native CPU decode forward (csrc/cpu/decode_cpu.cpp; contract and torch reference:
-  // mtp_core/kernels/decode_ref.py): embeds ids [T], runs len(caches) decoder layers (weights: 20 slots
-  // per layer, an empty tensor = absent; an MTP module's layer takes mtp_hidden [T, H]) over the paged latent
-  // caches (written in place at slot_mapping), optionally applies final_norm -> hidden [T, H].
-  m.def(
-      "decode_forward(Tensor ids, Tensor embed, Tensor? mtp_hidden, Tensor[] weights, int[] dims, "
-      "float[] fparams, Tensor(a!)[] caches, Tensor rope_cos, Tensor rope_sin, Tensor positions, "
-      "Tensor slot_mapping, Tensor query_start, Tensor block_tables, Tensor seqlens, Tensor? final_norm) -> Tensor");
-  // Batch-invariant projection x [T, K] @ W^T -> float32 [T, n], W [n, K] packed in 64-row panels
-  // [ceil(n/64), K, 64] (each output one multiply-add chain over k: its rounding does not depend on T).
-  m.def("linear_bi(Tensor x, Tensor w_packed, int n) -> Tensor");
+  // decode_forward, decode_logits, mat_gemm and the DecodeWeights class: csrc/cpu/decode_cpu.cpp.
 }
 
 extern "C" const char* mtp_core_cpu_isa();

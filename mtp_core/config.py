@@ -312,7 +312,7 @@ class LLMConfig:
     tensor_parallel_size: int = 1
     moe_expert_parallel_size: int = 1
     device: str = "cpu"
-    keep_quantized: bool = False                 # FP8/NVFP4 weights stay packed, dequantized per layer
+    keep_quantized: Optional[bool] = None        # FP8/NVFP4 stay packed; None: on a CPU with the native kernels
     num_threads: Optional[int] = None
 
     def validate(self) -> None:

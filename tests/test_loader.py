@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 torch.set_num_threads(1)
 
+from mtp_core import kernels  # noqa: E402
 from mtp_core.config import ModelConfig  # noqa: E402
 from mtp_core.loader import load_model, resolve_dtype  # noqa: E402
 from mtp_core.model import DeepseekV3ForCausalLM  # noqa: E402
@@ -98,11 +99,14 @@ def test_dtype_selection(tmp_path: Path) -> None:
     assert sd["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
     with pytest.raises(ValueError, match="float64"):
         resolve_dtype("float64")
-    # a bf16-stored checkpoint under `auto` computes in float32 on CPU
+    # a bf16-stored checkpoint under `auto` stays bf16 on a CPU with the native kernels (they read it in place
+    # and compute in fp32), and is upcast to float32 without them
     save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     up, _ = load_model(tmp_path, "auto")
-    assert {p.dtype for p in up.parameters()} == {torch.float32}
-    assert torch.equal(up.lm_head.weight, state["lm_head.weight"].to(torch.bfloat16).float())
+    want = torch.bfloat16 if kernels.NATIVE.cpu else torch.float32
+    assert resolve_dtype("auto", "cpu", torch.bfloat16) == want
+    assert {p.dtype for n, p in up.named_parameters() if "mlp.gate." not in n} == {want}
+    assert torch.equal(up.lm_head.weight.float(), state["lm_head.weight"].to(torch.bfloat16).float())
     with torch.no_grad():
         ids = torch.tensor([[1, 2, 3, 4, 5]])
         a = auto.compute_logits(auto.forward_dense(ids))

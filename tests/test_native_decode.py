@@ -1,11 +1,14 @@
-"""The native CPU decode forward (mtp_core::decode_forward, mtp_core::linear_bi) against its torch
-reference (mtp_core/kernels/decode_ref.py), its batch invariance, and the engine on it.
+"""The native CPU decode forward (mtp_core::decode_forward, decode_logits, mat_gemm) against its torch
+reference (mtp_core/kernels/native_ref.py) over the same typed weights, in both weight layouts (direct:
+read in place with run-time MLA absorption; packed: repacked panels, pre-absorbed) and every weight format
+(fp32, bf16, FP8 block, NVFP4); its batch invariance and thread-count invariance; and the engine on it.
 
 The engine-level losslessness tests elsewhere (test_mtp_decoding.py, test_engine_batching.py) run on
 the native path too: it is the default on CPU whenever the extension is built (checked below).
 """
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -17,9 +20,14 @@ import torch
 from conftest import PROMPTS, greedy, make_engine, reference, run_to_end
 from mtp_core import kernels
 from mtp_core.config import ModelConfig
-from mtp_core.kernels.decode_ref import WEIGHT_SLOTS, decode_forward_ref, linear_bi_ref, pack_weight, unpack_weight
+from mtp_core.kernels import nvfp4_layout
+from mtp_core.kernels.native_ref import decode_forward_ref, decode_logits_ref
+from mtp_core.loader.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
+from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
+from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.native_decode import NativeDecoder
+from mtp_core.model.native_weights import COLS, FP8, NVFP4, ROWS, Matrix, _fp8_scale, choose_layout
 from mtp_core.tiny import tiny_config_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +36,7 @@ if not kernels.NATIVE.cpu and os.environ.get("MTP_CORE_REQUIRE_NATIVE") == "1":
 pytestmark = pytest.mark.skipif(not kernels.NATIVE.cpu, reason=kernels.NATIVE.summary)
 
 PAGE = 4
+LAYOUTS = ("direct", "packed")
 
 
 def tiny_model(dtype=torch.float32, seed=0, **cfg_kw) -> DeepseekV3ForCausalLM:
@@ -43,12 +52,26 @@ def tiny_model(dtype=torch.float32, seed=0, **cfg_kw) -> DeepseekV3ForCausalLM:
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
-    model = model.to(dtype).eval()
-    model.ensure_decode_fused()
+    return model.to(dtype).eval()
+
+
+def quantize_linears(model: DeepseekV3ForCausalLM, fmt: str) -> DeepseekV3ForCausalLM:
+    """Every projection and expert (not router, embedding, lm_head) replaced by a keep-quantized module, as
+    the loader builds them from an FP8-block / NVFP4 checkpoint."""
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not torch.nn.Linear or name in ("lm_head",) or name.endswith("mlp.gate"):
+            continue
+        w = mod.weight.detach().float()
+        if fmt == "fp8":
+            q = Fp8BlockLinear(*quantize_fp8_block(w))
+        else:
+            q = Nvfp4Linear(*quantize_nvfp4(w))
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, q)
     return model
 
 
-def batch(rows: list[tuple[int, int]], num_blocks: int = 64) -> tuple[AttentionMetadata, list[list[int]]]:
+def batch(rows: list[tuple[int, int]], num_blocks: int = 64) -> AttentionMetadata:
     """rows: (context length after the call, queries); each row gets its own blocks, in a shuffled order."""
     g = torch.Generator().manual_seed(len(rows))
     free = torch.randperm(num_blocks, generator=g).tolist()
@@ -57,30 +80,25 @@ def batch(rows: list[tuple[int, int]], num_blocks: int = 64) -> tuple[AttentionM
         n = (ctx + PAGE - 1) // PAGE
         tables.append([free.pop() for _ in range(n)])
         positions.append(list(range(ctx - nq, ctx)))
-    return AttentionMetadata.build(positions, tables, PAGE, use_absorbed=True), tables
+    return AttentionMetadata.build(positions, tables, PAGE, use_absorbed=True)
 
 
-def run_both(model, layer_ids, rows, mtp=False, dtype=torch.float32, cache_dtype=None, final=True, seed=0,
-             num_blocks=64):
-    cfg = model.config
+def run_both(nd: NativeDecoder, cfg: ModelConfig, first: int, num: int, rows, mtp=False, cache_dtype=torch.float32,
+             final=True, seed=0, num_blocks=64):
+    """The native op and its reference on the same random batch and caches."""
     D = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    meta, _ = batch(rows, num_blocks)
+    meta = batch(rows, num_blocks)
     T = meta.positions.numel()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(7, cfg.vocab_size, (T,), generator=g)
-    cache_dtype = cache_dtype or dtype
-    caches = [torch.randn(num_blocks, PAGE, D, generator=g).to(cache_dtype) for _ in layer_ids]
-    hidden = torch.randn(T, cfg.hidden_size, generator=g).to(dtype) if mtp else None
-    nd = model.native
-    weights = [w for i in layer_ids for w in nd.layer_weights[i]]
-    qs = torch.tensor(meta.query_start, dtype=torch.int32)
-    args = lambda cs: (ids, nd.embed, hidden, weights, nd.dims, nd.fparams, cs, nd.rope_cos, nd.rope_sin,  # noqa: E731
-                       meta.positions, meta.slot_mapping, qs, meta.block_tables_i32, meta.seqlens_i32,
-                       nd.final_norm if final else None)
+    caches = [torch.randn(num_blocks, PAGE, D, generator=g).to(cache_dtype) for _ in range(num)]
+    hidden = torch.randn(T, cfg.hidden_size, generator=g) if mtp else None
+    tail = (nd.rope_cos, nd.rope_sin, meta.positions, meta.slot_mapping, meta.query_start_i32,
+            meta.block_tables_i32, meta.seqlens_i32, final)
     c_nat, c_ref = [c.clone() for c in caches], [c.clone() for c in caches]
-    out = torch.ops.mtp_core.decode_forward(*args(c_nat))
-    ref = decode_forward_ref(*args(c_ref))
-    return out, ref, c_nat, c_ref, args
+    out = torch.ops.mtp_core.decode_forward(nd.handle, first, num, ids, hidden, c_nat, *tail)
+    ref = decode_forward_ref(nd.weights, first, num, ids, hidden, c_ref, *tail)
+    return out, ref, c_nat, c_ref
 
 
 CONFIGS = {
@@ -92,147 +110,236 @@ CONFIGS = {
     "no_interleave": dict(rope_interleave=False),
     "yarn": dict(yarn=True, n_group=2),
 }
-ROWS = {
+ROWS_ = {
     "one": [(9, 1)],
     "verify": [(13, 4)],
     "ragged": [(5, 1), (17, 3), (2, 2), (30, 6)],
     "batch8": [(3 + 4 * b, 1) for b in range(8)],
+    "prefill": [(23, 23), (9, 9)],                          # > 4 tokens a call: weights decoded once per tile
 }
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("cfg", list(CONFIGS))
-@pytest.mark.parametrize("rows", list(ROWS))
-def test_main_stack_matches_reference(cfg, rows) -> None:
+@pytest.mark.parametrize("rows", list(ROWS_))
+def test_main_stack_matches_reference(layout, cfg, rows) -> None:
     model = tiny_model(num_layers=3, num_mtp=1, **CONFIGS[cfg])
-    out, ref, c_nat, c_ref, _ = run_both(model, [0, 1, 2], ROWS[rows])
+    nd = NativeDecoder.build(model, layout)
+    assert nd.weights.layout == layout
+    out, ref, c_nat, c_ref = run_both(nd, model.config, 0, 3, ROWS_[rows])
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     for a, b in zip(c_nat, c_ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(nd.logits(out), decode_logits_ref(nd.weights, out), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("rows", ["one", "ragged"])
-def test_mtp_module_matches_reference(rows) -> None:
+def test_mtp_module_matches_reference(layout, rows) -> None:
     model = tiny_model(num_layers=2, num_mtp=3)
+    nd = NativeDecoder.build(model, layout)
     for k in range(3):
-        out, ref, *_ = run_both(model, [2 + k], ROWS[rows], mtp=True, final=False, seed=k)
+        out, ref, *_ = run_both(nd, model.config, 2 + k, 1, ROWS_[rows], mtp=True, final=False, seed=k)
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("cfg", ["q_lora", "no_q_lora"])
+@pytest.mark.parametrize("rows", ["one", "ragged", "prefill"])
+def test_quantized_weights_match_reference(fmt, cfg, rows) -> None:
+    """FP8-block and NVFP4 weights read in place (dequantized in registers) against the reference on the
+    loader's dequantized values (Matrix.dense)."""
+    model = quantize_linears(tiny_model(num_layers=3, num_mtp=1, **CONFIGS[cfg]), fmt)
+    assert choose_layout(model) == "direct"
+    nd = NativeDecoder.build(model)
+    want = FP8 if fmt == "fp8" else NVFP4
+    assert nd.weights.layers[1].experts[0].down.fmt == want and nd.weights.layers[0].q_in.fmt == want
+    out, ref, c_nat, c_ref = run_both(nd, model.config, 0, 3, ROWS_[rows])
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for a, b in zip(c_nat, c_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the reference's weights are the quantized modules' own dequantized weights
+    lin = model.model.layers[1].mlp.experts[0].down_proj
+    torch.testing.assert_close(nd.weights.layers[1].experts[0].down.dense(), lin.weight, rtol=0, atol=0)
 
 
 def test_bf16_weights_and_cache_match_reference() -> None:
     model = tiny_model(dtype=torch.bfloat16, num_layers=2, num_mtp=1)
-    out, ref, c_nat, c_ref, _ = run_both(model, [0, 1], ROWS["ragged"], dtype=torch.bfloat16)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    for a, b in zip(c_nat, c_ref):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    for layout in LAYOUTS:
+        nd = NativeDecoder.build(model, layout)
+        out, ref, c_nat, c_ref = run_both(nd, model.config, 0, 2, ROWS_["ragged"], cache_dtype=torch.bfloat16)
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+        for a, b in zip(c_nat, c_ref):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_deepseek_v3_attention_widths() -> None:
+    """DeepSeek-V3's own attention widths (128 heads, q_lora 1536, kv_lora 512, nope/rope/v 128/64/128) on a
+    narrow hidden size, one layer: the run-time-absorbed attention against the reference."""
+    from mtp_core.scale_model import scale_config_dict
+    d = scale_config_dict("deepseek-v3", num_layers=1, num_mtp=0, vocab_size=64, n_routed_experts=8)
+    d.update(hidden_size=128, intermediate_size=64, moe_intermediate_size=32, n_group=1, topk_group=1,
+             num_experts_per_tok=2, first_k_dense_replace=1)
+    cfg = ModelConfig.from_dict(d)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5 if name.endswith("norm.weight") else torch.randn_like(p) * p.shape[-1] ** -0.5)
+    model = model.bfloat16().eval()
+    assert choose_layout(model) == "direct"
+    nd = NativeDecoder.build(model)
+    assert len(nd.weights.layers[0].uk) == 128
+    out, ref, *_ = run_both(nd, cfg, 0, 1, [(7, 3), (2, 1)], cache_dtype=torch.bfloat16, num_blocks=8)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
 def test_a_wrong_kernel_is_caught() -> None:
-    """The parity check can fail: a reference fed other routing scale disagrees."""
+    """The parity check can fail: a reference fed another routing scale disagrees."""
     model = tiny_model(num_layers=2, num_mtp=1)
-    out, _, _, _, args = run_both(model, [0, 1], ROWS["verify"])
-    nd = model.native
-    bad = list(args([torch.zeros(64, PAGE, 40), torch.zeros(64, PAGE, 40)]))
-    bad[5] = [nd.fparams[0], nd.fparams[1], nd.fparams[2] * 1.01]
-    assert not torch.allclose(out, decode_forward_ref(*bad), rtol=1e-4, atol=1e-4)
+    nd = NativeDecoder.build(model, "direct")
+    out, *_ = run_both(nd, model.config, 0, 2, ROWS_["verify"])
+    nd.weights.params["routed_scale"] *= 1.01
+    _, ref, *_ = run_both(nd, model.config, 0, 2, ROWS_["verify"])
+    assert not torch.allclose(out, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_batch_invariance_is_bitwise() -> None:
+@pytest.mark.parametrize("layout,quant", [("direct", "none"), ("packed", "none"), ("direct", "fp8"),
+                                          ("direct", "nvfp4")])   # quantized weights: read in place only
+def test_batch_invariance_is_bitwise(layout, quant) -> None:
     """A token decoded alone and the same token verified among 3 drafts get bitwise equal hidden states
     and logits: the property that makes greedy MTP exactly equal to greedy without it."""
     model = tiny_model(num_layers=3, num_mtp=1)
-    nd = model.native
+    if quant != "none":
+        model = quantize_linears(model, quant)
+    nd = NativeDecoder.build(model, layout)
     D = model.config.kv_lora_rank + model.config.qk_rope_head_dim
     g = torch.Generator().manual_seed(3)
     prefix = torch.randn(64, PAGE, D, generator=g)
-    ids = torch.randint(7, 96, (4,), generator=g)
+    ids = torch.randint(7, 96, (6,), generator=g)
     table = [[5, 9, 2, 11]]
     caches_a = [prefix.clone() for _ in range(3)]
     caches_b = [prefix.clone() for _ in range(3)]
     with torch.inference_mode():
         one_by_one = []
-        for i in range(4):   # positions 10..13, one token per call
-            meta = AttentionMetadata.build([[10 + i]], table, PAGE, use_absorbed=True)
+        for i in range(6):   # positions 8..13, one token per call
+            meta = AttentionMetadata.build([[8 + i]], table, PAGE, use_absorbed=True)
             one_by_one.append(nd.forward(ids[i:i + 1], meta, caches_a))
-        meta = AttentionMetadata.build([[10, 11, 12, 13]], table, PAGE, use_absorbed=True)
-        together = nd.forward(ids, meta, caches_b)
+        meta = AttentionMetadata.build([list(range(8, 14))], table, PAGE, use_absorbed=True)
+        together = nd.forward(ids, meta, caches_b)       # 6 tokens: the decoded-tile path
         assert torch.equal(torch.cat(one_by_one), together)
         assert torch.equal(nd.logits(torch.cat(one_by_one)), nd.logits(together))
         assert all(torch.equal(a, b) for a, b in zip(caches_a, caches_b))
 
 
-def test_two_threads_give_bitwise_the_same_result() -> None:
-    """Work large enough to be split across threads (projection panels, experts, attention rows) gives
-    bitwise what one thread gives."""
+@pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])
+def test_two_threads_give_bitwise_the_same_result(quant) -> None:
+    """The thread team splits every op's outputs; each output is computed whole by one member, so 2 threads
+    give bitwise what 1 thread gives (projections, experts, attention items, the LM head)."""
     model = tiny_model(num_layers=2, num_mtp=1)
-    rows = [(3 + b % 9, 1 + b % 3) for b in range(96)]          # 96 rows, 192 tokens: every split kicks in
+    if quant != "none":
+        model = quantize_linears(model, quant)
+    rows = [(3 + b % 9, 1 + b % 3) for b in range(24)]
     old = torch.get_num_threads()
+    outs = {}
     try:
-        torch.set_num_threads(1)
-        one, ref, *_ = run_both(model, [0, 1], rows, num_blocks=512)
-        torch.set_num_threads(2)
-        two, *_ = run_both(model, [0, 1], rows, num_blocks=512)
-        g = torch.Generator().manual_seed(1)
-        x, wp = torch.randn(64, 1024, generator=g), pack_weight(torch.randn(256, 1024, generator=g))
-        big_two = kernels.linear_bi(x, wp, 256)
-        torch.set_num_threads(1)
-        big_one = kernels.linear_bi(x, wp, 256)
+        for layout in (("direct",) if quant != "none" else LAYOUTS):
+            nd = NativeDecoder.build(model, layout)
+            for nt in (1, 2):
+                torch.set_num_threads(nt)
+                out, ref, c_nat, _ = run_both(nd, model.config, 0, 2, rows, num_blocks=256)
+                outs[layout, nt] = (out, nd.logits(out), c_nat)
+                torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+            one, two = outs[layout, 1], outs[layout, 2]
+            assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+            assert all(torch.equal(a, b) for a, b in zip(one[2], two[2]))
     finally:
         torch.set_num_threads(old)
-    assert torch.equal(one, two) and torch.equal(big_one, big_two)
-    torch.testing.assert_close(one, ref, rtol=1e-4, atol=1e-4)
 
 
-def test_linear_bi_matches_and_opcheck() -> None:
-    g = torch.Generator().manual_seed(0)
-    for T, K, N in ((1, 192, 1024), (5, 72, 33), (17, 16, 4), (6, 40, 130)):
-        x, w = torch.randn(T, K, generator=g), torch.randn(N, K, generator=g)
-        wp = pack_weight(w)
-        assert wp.shape == (-(-N // 64), K, 64) and torch.equal(unpack_weight(wp, N), w)
-        want = x @ w.T
-        torch.testing.assert_close(kernels.linear_bi(x, wp, N), want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(linear_bi_ref(x, wp, N), want, rtol=1e-4, atol=1e-4)
-        wb = w.bfloat16()
-        torch.testing.assert_close(kernels.linear_bi(x, pack_weight(wb), N), x @ wb.float().T, rtol=1e-4, atol=1e-4)
-        torch.library.opcheck(torch.ops.mtp_core.linear_bi.default, (x, wp, N))
-        rows = torch.cat([kernels.linear_bi(x[i:i + 1], wp, N) for i in range(T)])
-        assert torch.equal(rows, kernels.linear_bi(x, wp, N))          # batch-invariant, bitwise
-    empty = kernels.linear_bi(torch.empty(0, 8), pack_weight(torch.randn(3, 8)), 3)
-    assert empty.shape == (0, 3)
+# ---- one matrix: the kernels of every layout and format ------------------------------------------
+SHAPES = [(1, 16), (7, 48), (64, 128), (130, 272), (257, 1040), (33, 80)]
 
 
-def test_decode_forward_opcheck_and_empty_batch() -> None:
-    model = tiny_model(num_layers=2, num_mtp=1)
-    *_, args = run_both(model, [0, 1], ROWS["ragged"])
-    caches = [torch.zeros(64, PAGE, 40), torch.zeros(64, PAGE, 40)]
-    torch.library.opcheck(torch.ops.mtp_core.decode_forward.default, args(caches),
-                          test_utils=("test_schema", "test_faketensor"))
-    nd = model.native
-    empty = torch.ops.mtp_core.decode_forward(
-        torch.empty(0, dtype=torch.long), nd.embed, None, nd.main_weights, nd.dims, nd.fparams,
-        [torch.zeros(4, PAGE, 40), torch.zeros(4, PAGE, 40)], nd.rope_cos, nd.rope_sin,
-        torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), torch.zeros(1, dtype=torch.int32),
-        torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), nd.final_norm)
-    assert empty.shape == (0, model.config.hidden_size)
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_mat_gemm_formats_match_dequantized_weights(n, k) -> None:
+    """FP8-block (row-wise, and column-wise from a row offset inside a 128-row block, as run-time absorption
+    reads kv_b_proj) and NVFP4 against the dequantized weights, for tail tiles, odd sizes and T = 1..17; and
+    each bitwise batch-invariant."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w = torch.randn(n, k, generator=g)
+    q, s = quantize_fp8_block(w)
+    cases = [(Matrix(ROWS, FP8, n, k, q.view(torch.uint8), scale=_fp8_scale(s)), dequantize_fp8_block(q, s))]
+    r0 = 40
+    src = torch.randn(r0 + k, n, generator=g)
+    qs, ss = quantize_fp8_block(src)
+    cases.append((Matrix(COLS, FP8, n, k, qs.view(torch.uint8)[r0:], scale=_fp8_scale(ss), scale_r0=r0),
+                  dequantize_fp8_block(qs, ss)[r0:].t()))
+    cases.append((Matrix(ROWS, 0, n, k, w), w))
+    cases.append((Matrix(COLS, 1, n, k, w.t().contiguous().bfloat16()), w.bfloat16().float()))
+    if k % 16 == 0:
+        p, sc, s2 = quantize_nvfp4(w)
+        cases.append((Matrix(ROWS, NVFP4, n, k, nvfp4_layout.interleave(p), gscale=sc.view(torch.uint8),
+                             gscale2=float(s2)), dequantize_nvfp4(p, sc, s2)))
+    for m, dense in cases:
+        assert torch.equal(m.dense(), dense)
+        for T in (1, 2, 3, 4, 5, 9, 17):
+            x = torch.randn(T, k, generator=g)
+            y = kernels.mat_gemm(x, m)
+            torch.testing.assert_close(y, x @ dense.T, rtol=1e-4, atol=1e-4 * (1 + dense.abs().max().item()))
+            assert torch.equal(y, torch.cat([kernels.mat_gemm(x[i:i + 1], m) for i in range(T)]))
+    torch.library.opcheck(torch.ops.mtp_core.mat_gemm.default,
+                          (torch.randn(3, k), w, None, None, None, ROWS, 0, n, k, 0, 1.0))
+
+
+def test_nvfp4_interleave_round_trips() -> None:
+    for k in (16, 32, 48, 96):
+        p = torch.randint(0, 256, (5, k // 2), dtype=torch.uint8)
+        assert torch.equal(nvfp4_layout.deinterleave(nvfp4_layout.interleave(p)), p)
+    p = torch.arange(16, dtype=torch.uint8).view(1, 16) * 17          # codes 0,0,1,1,...,15,15
+    assert nvfp4_layout.interleave(p)[0, 0].item() == 0 | (8 << 4)    # inputs 0 and 16
 
 
 def test_bad_inputs_are_refused() -> None:
     model = tiny_model(num_layers=2, num_mtp=1)
-    *_, args = run_both(model, [0, 1], ROWS["verify"])
-    a = list(args([torch.zeros(64, PAGE, 40), torch.zeros(64, PAGE, 40)]))
-    small = list(a)
-    small[6] = [torch.zeros(2, PAGE, 40), torch.zeros(2, PAGE, 40)]       # slots / blocks past the cache
+    nd = NativeDecoder.build(model, "direct")
+    meta = batch(ROWS_["verify"])
+    ids = torch.randint(7, 96, (4,))
+    tail = (nd.rope_cos, nd.rope_sin, meta.positions, meta.slot_mapping, meta.query_start_i32,
+            meta.block_tables_i32, meta.seqlens_i32, True)
+    small = [torch.zeros(2, PAGE, 40), torch.zeros(2, PAGE, 40)]       # slots / blocks past the cache
     with pytest.raises(RuntimeError, match="outside the cache|not a cache block"):
-        torch.ops.mtp_core.decode_forward(*small)
-    short = list(a)
-    short[3] = a[3][:-1]
-    with pytest.raises(RuntimeError, match="weights"):
-        torch.ops.mtp_core.decode_forward(*short)
+        torch.ops.mtp_core.decode_forward(nd.handle, 0, 2, ids, None, small, *tail)
+    with pytest.raises(RuntimeError, match="caches"):
+        torch.ops.mtp_core.decode_forward(nd.handle, 0, 2, ids, None, small[:1], *tail)
+    with pytest.raises(RuntimeError, match="vocabulary"):
+        torch.ops.mtp_core.decode_forward(nd.handle, 0, 2, ids + 1000, None, [torch.zeros(64, PAGE, 40)] * 2, *tail)
+    tensors, ints, floats = nd.weights.dictionaries()
+    ints["layers.0.q_in.n"] += 1
+    with pytest.raises(RuntimeError, match="q_in"):
+        torch.classes.mtp_core.DecodeWeights(tensors, ints, floats)
+    tensors, ints, floats = nd.weights.dictionaries()
+    del tensors["layers.1.kv_norm"]
+    with pytest.raises(RuntimeError, match="kv_norm"):
+        torch.classes.mtp_core.DecodeWeights(tensors, ints, floats)
 
 
-def test_engine_runs_native_and_matches_the_torch_path(tiny3_dir, monkeypatch) -> None:
+def test_empty_batch() -> None:
+    model = tiny_model(num_layers=2, num_mtp=1)
+    nd = NativeDecoder.build(model, "direct")
+    empty = torch.ops.mtp_core.decode_forward(
+        nd.handle, 0, 2, torch.empty(0, dtype=torch.long), None, [torch.zeros(4, PAGE, 40)] * 2, nd.rope_cos,
+        nd.rope_sin, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long),
+        torch.zeros(1, dtype=torch.int32), torch.zeros(0, 1, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), True)
+    assert empty.shape == (0, model.config.hidden_size)
+
+
+# ---- the engine on it ---------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_engine_runs_native_and_matches_the_torch_path(tiny3_dir, monkeypatch, layout) -> None:
     """Greedy text on the native path equals the torch reference path's, MTP on and off."""
     from mtp_core.loader import load_model
+    monkeypatch.setenv("MTP_CORE_NATIVE_LAYOUT", layout)
     native_model = load_model(tiny3_dir, "float32")[0]
     monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
     torch_model = load_model(tiny3_dir, "float32")[0]
@@ -240,7 +347,7 @@ def test_engine_runs_native_and_matches_the_torch_path(tiny3_dir, monkeypatch) -
     assert torch_model.native is None
     monkeypatch.delenv("MTP_CORE_NATIVE_DECODE")
     make_engine(native_model)
-    assert native_model.native is not None
+    assert native_model.native is not None and native_model.native.weights.layout == layout
     for nextn, mode in ((0, "auto"), (3, "eagle"), (3, "vanilla")):
         outs = {}
         for name, model in (("native", native_model), ("torch", torch_model)):
@@ -259,16 +366,49 @@ def test_native_greedy_mtp_equals_plain_greedy(tiny3_model, mode, K) -> None:
     assert eng.stats.num_draft_accepted > 0       # drafts were accepted: the verify path really ran
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+def test_greedy_mtp_equals_plain_greedy_on_packed_formats(tiny3_dir, tmp_path, fmt) -> None:
+    """The backbone invariant on bf16 weights and on FP8 / NVFP4 checkpoints kept packed (read in place), with
+    2 threads: greedy MTP (Eagle and Vanilla) == greedy without MTP, token for token."""
+    from mtp_core.loader import load_model
+    from mtp_core.quantize import quantize_checkpoint
+    src = tiny3_dir
+    if fmt != "bf16":
+        src = tmp_path / fmt
+        quantize_checkpoint(tiny3_dir, src, fmt)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = load_model(src, "bfloat16" if fmt == "bf16" else "auto")[0]
+        base = make_engine(model, max_batch_size=8)
+        assert model.native is not None
+        if fmt != "bf16":
+            assert model.native.weights.layout == "direct"
+            assert fmt in model.native.weights.formats()
+        want = [s.output_ids for s in run_to_end(base, PROMPTS, greedy(24))]
+        for nextn, mode in ((3, "eagle"), (3, "vanilla")):
+            eng = make_engine(model, nextn=nextn, mode=mode, max_batch_size=8)
+            assert [s.output_ids for s in run_to_end(eng, PROMPTS, greedy(24))] == want, (nextn, mode)
+            assert eng.stats.num_draft_accepted > 0
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("isa", ["avx2", "generic"])
 def test_lower_isa_builds_agree(isa) -> None:
     """MTP_CORE_CPU_ISA caps the kernels' instruction set (the fallback a CPU without AVX-512 gets): same
     result within rounding, and the choice is reported."""
     code = (
         "import torch, sys; sys.path.insert(0, 'tests');"
-        "from test_native_decode import tiny_model, run_both, ROWS;"
+        "from test_native_decode import tiny_model, quantize_linears, run_both, ROWS_, NativeDecoder;"
         "from mtp_core import kernels; print(kernels.cpu_isa());"
-        "m = tiny_model(num_layers=2, num_mtp=1); out, ref, *_ = run_both(m, [0, 1], ROWS['ragged']);"
-        "torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4); print('ok')")
+        "m = tiny_model(num_layers=2, num_mtp=1)\n"
+        "for q in ('none', 'fp8', 'nvfp4'):\n"
+        "    mm = m if q == 'none' else quantize_linears(tiny_model(num_layers=2, num_mtp=1), q)\n"
+        "    for layout in (('direct', 'packed') if q == 'none' else ('direct',)):\n"
+        "        nd = NativeDecoder.build(mm, layout); out, ref, *_ = run_both(nd, mm.config, 0, 2, ROWS_['ragged'])\n"
+        "        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)\n"
+        "print('ok')")
     env = dict(os.environ, MTP_CORE_CPU_ISA=isa)
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
@@ -278,12 +418,31 @@ def test_lower_isa_builds_agree(isa) -> None:
     assert lines[0] == (isa if isa == "generic" or have_avx2 else "generic")
 
 
-def test_why_not_reports_reasons(monkeypatch) -> None:
+def test_layout_choice_and_why_not(monkeypatch) -> None:
     model = tiny_model(num_layers=2, num_mtp=1)
     assert NativeDecoder.why_not(model) is None
+    assert choose_layout(model) == "packed"                       # small, plain: repacked, pre-absorbed
+    monkeypatch.setenv("MTP_CORE_NATIVE_LAYOUT", "direct")
+    assert choose_layout(model) == "direct"
+    monkeypatch.setenv("MTP_CORE_NATIVE_LAYOUT", "fast")
+    with pytest.raises(ValueError, match="MTP_CORE_NATIVE_LAYOUT"):
+        choose_layout(model)
+    monkeypatch.delenv("MTP_CORE_NATIVE_LAYOUT")
+    monkeypatch.setattr("mtp_core.model.native_weights.PACKED_MAX_BYTES", 1000)
+    assert choose_layout(model) == "direct"                       # too large to repack: read in place
     monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
     assert NativeDecoder.why_not(model) == "MTP_CORE_NATIVE_DECODE=0"
-    assert len(WEIGHT_SLOTS) == 20
+
+
+def test_direct_layout_reads_the_models_own_tensors() -> None:
+    """One copy of the weights: every matrix of the direct layout is (a view of) a tensor the model holds."""
+    model = quantize_linears(tiny_model(dtype=torch.bfloat16, num_layers=2, num_mtp=1), "fp8")
+    nd = NativeDecoder.build(model, "direct")
+    owned = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    for layer in nd.weights.layers:
+        for m in layer.matrices():
+            if m is not layer.router:
+                assert m.data.untyped_storage().data_ptr() in owned
 
 
 def test_bf16_native_greedy_mtp_equals_plain_greedy(tiny3_dir) -> None:
@@ -291,18 +450,16 @@ def test_bf16_native_greedy_mtp_equals_plain_greedy(tiny3_dir) -> None:
     from mtp_core.loader import load_model
     model = load_model(tiny3_dir, "bfloat16")[0]
     base = make_engine(model, max_batch_size=8)
-    assert model.native is not None and model.native.embed.dtype == torch.bfloat16
+    assert model.native is not None and model.native.weights.embed.dtype == torch.bfloat16
     want = [s.output_ids for s in run_to_end(base, PROMPTS, greedy(24))]
     for nextn, mode in ((2, "eagle"), (3, "vanilla")):
         eng = make_engine(model, nextn=nextn, mode=mode, max_batch_size=8)
         assert [s.output_ids for s in run_to_end(eng, PROMPTS, greedy(24))] == want, (nextn, mode)
 
 
-def test_a_copy_of_a_fused_model_packs_its_own_weights(tiny1_dir) -> None:
-    """The native decoder is a snapshot of the weights: a deep copy drops it (and the decode fusion), so
-    changing the copy's weights and then serving it gives what a fresh model with those weights gives."""
-    import copy
-
+def test_a_copy_of_a_model_builds_its_own_decoder(tiny1_dir) -> None:
+    """The native decoder is built from the weights: a deep copy drops it, so changing the copy's weights
+    and then serving it gives what a fresh model with those weights gives."""
     from mtp_core.loader import load_model
     model = load_model(tiny1_dir, "float32")[0]
     make_engine(model)

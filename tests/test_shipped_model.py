@@ -41,7 +41,7 @@ def test_main_model_matches_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    ours, _ = load_model(DEFAULT_MODEL_DIR)
+    ours, _ = load_model(DEFAULT_MODEL_DIR, "float32")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True, dtype=torch.float32)

@@ -1,21 +1,28 @@
-// The native CPU decode forward: mtp_core::decode_forward runs a whole stack of DeepSeek-V3 decoder
-// layers (the main model's, or one MTP module with its enorm/hnorm/eh_proj prologue and shared-head
-// norm) over a decode / verification batch in one call, and mtp_core::linear_bi is the batch-invariant
-// projection used for the LM head. Torch reference: mtp_core/kernels/decode_ref.py (same contract).
+// The native CPU decode forward: mtp_core::decode_forward runs a stack of DeepSeek-V3 decoder layers (the
+// main model's, or one MTP module with its enorm/hnorm/eh_proj prologue and shared-head norm) over a
+// decode / verification / prefill batch in one call, with the weights of a DecodeWeights built once per
+// model; mtp_core::decode_logits is the batch-invariant LM head. Torch reference: the model's own torch
+// path (mtp_core/model/*.py) and mtp_core/kernels/native_ref.py.
 //
 // Per layer, T tokens from B rows (row b owns tokens [query_start[b], query_start[b+1]), positions
 // consecutive, its keys live in the paged latent cache through block_tables[b]):
-//   h  = rms_norm(x) ; a = h @ W_a^T (+ b_a)                      [q_c | c_kv | k_pe]
-//   q  = rms_norm(q_c) @ W_q^T  (absorbed: per head [q_latent | q_rope]) ; rope(q_rope), rope(k_pe)
-//   cache[slot] = [rms_norm(c_kv) | k_pe] ; o = softmax(q . cache * scale) @ c_kv (per head)
-//   x += o @ W_o^T (absorbed output projection)
+//   h  = rms_norm(x);  q = q_in(h) (q_lora: q_b(rms_norm(q_in(h))));  kv = kv_a(h)      per head [nope | rope]
+//   cache[slot] = [rms_norm(c_kv) | rope(k_pe)];  q_rope = rope(q_rope)
+//   absorbed at run time: q_latent_h = W_UK_h^T q_nope_h (kv_b_proj's rows read in place), or pre-absorbed
+//   o_h = softmax(q_h . cache * scale) @ c_kv;   v_h = W_UV_h o_h (run time) ;  x += o_proj(v)
 //   x += MLP(rms_norm(x))  or  MoE: sigmoid router + correction bias, group-limited top-k, each chosen
-//        expert once over exactly its tokens (gather, two small GEMMs, weighted scatter), shared expert.
-// Weights stay in the checkpoint's dtype (fp32 or bf16, converted in registers); activations and the
-// residual stream are fp32 throughout. The kernels (decode_kernels_impl.h) are batch-invariant.
+//        expert over exactly its tokens, combined in ascending expert order, then the shared expert.
+// Weights are read in their stored format (fp32, bf16, FP8 block, NVFP4), converted in registers;
+// activations and the residual stream are fp32. The kernels (decode_kernels_impl.h) are batch-invariant,
+// and every output is computed whole by one thread, so results do not depend on the thread count either.
+//
+// Threads: one team per call (thread_team.h) that lives through all layers; each op splits its outputs
+// (projection rows, (head, latent) tiles, (token, head) attention items, expert rows) across the members,
+// and the members meet at a barrier between ops.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -26,11 +33,15 @@
 #include <torch/library.h>
 
 #include "decode_kernels.h"
+#include "decode_weights.h"
+#include "thread_team.h"
 
 namespace mtp_core {
 namespace {
 
 using cpu::KernelTable;
+using cpu::Mat;
+using cpu::Rows;
 
 const KernelTable* pick_table() {
   const char* forced = std::getenv("MTP_CORE_CPU_ISA");
@@ -50,84 +61,9 @@ const KernelTable& K() {
   return *table;
 }
 
-// ---- layout of the per-layer weight list (mtp_core/kernels/decode_ref.py: WEIGHT_SLOTS) -----------
-enum Slot : int {
-  kInNorm = 0, kWa, kBa, kQaNorm, kWq, kKvNorm, kWo, kPostNorm,
-  kMlpW13, kMlpW2,                     // dense MLP: [2I, H] (gate | up), [H, I]
-  kGate, kGateBias,                    // router [E, H] fp32, correction bias [E] fp32
-  kExpW13, kExpW2,                     // routed experts [E, 2I, H], [E, H, I]
-  kShW13, kShW2,                       // shared expert [2Is, H], [H, Is] (undefined: none)
-  kENorm, kHNorm, kEhProj, kHeadNorm,  // MTP module prologue / epilogue (undefined in main layers)
-  kNumSlots
-};
-
-// dims: see decode_ref.py DIMS
-enum Dim : int { dH = 0, dQLora, dR, dP, dHeads, dExperts, dTopK, dGroups, dTopKGroups, dNormTopK, dInterleave,
-                 dNumDims };
-enum FParam : int { fEps = 0, fScale, fRoutedScale, fNumF };
-
-int wtype_of(const at::Tensor& t) {
-  if (t.scalar_type() == at::kFloat) return cpu::kF32;
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "decode_forward: weights must be float32 or bfloat16, got ",
-              t.scalar_type());
-  return cpu::kBF16;
-}
-
-// A weight as the kernels see it: norms / biases as plain vectors, projections packed in 64-row panels
-// ([ceil(N/64), K, 64], see decode_kernels.h) — `k` is then K and `panels` the panel count.
-struct W {
-  const void* p = nullptr;
-  int type = cpu::kF32;
-  int64_t panels = 0, k = 0;
-  bool defined() const { return p != nullptr; }
-};
-
-W weight(const at::Tensor& t) {
-  if (!t.defined() || t.numel() == 0) return {};
-  TORCH_CHECK(t.is_contiguous(), "decode_forward: weights must be contiguous");
-  W w{t.data_ptr(), wtype_of(t), 0, 0};
-  if (t.dim() == 3) {
-    TORCH_CHECK(t.size(2) == 64, "decode_forward: packed weights must be [panels, K, 64]");
-    w.panels = t.size(0);
-    w.k = t.size(1);
-  }
-  return w;
-}
-
-// Threads: a parallel region (wake the pool, split, join) costs about what one of this model's projections
-// computes, so work is split only where each thread gets plenty of it. Measured on the shipped model
-// (2 cores): a region per projection / per MoE block made a batch-1 step 1.5x slower on 2 threads, and with
-// regions only for batched work a batch-16 step was still ~10% slower; so these thresholds keep small
-// models on one thread (2 threads = 1 thread) and split only large projections (a 4096 x 1024 projection
-// of 64 tokens runs 2.25x faster on 2 threads). A thread team that lives through the whole forward, with
-// barriers between ops, is what small models would need.
-constexpr int64_t kParallelMinMacs = 1 << 22;     // T x N x K of a projection
-constexpr int64_t kParallelMinPairs = 256;        // (token, expert) pairs of an MoE block
-constexpr int64_t kParallelMinRows = 64;          // rows of an attention call
-
-// Y[T, N] = X[T, K] @ W^T (+ bias) with W packed: split over panels across threads when there is work.
-void gemm(const float* X, int64_t ldx, int64_t T, const void* w, int wtype, int64_t panels, int64_t Kd, int64_t N,
-          float* Y, int64_t ldy, const float* bias = nullptr) {
-  if (T == 0 || N == 0) return;
-  TORCH_CHECK(panels * 64 >= N, "decode_forward: a packed weight has ", panels * 64, " rows, ", N, " needed");
-  const int64_t work = T * N * Kd;
-  const int nt = at::get_num_threads();
-  if (nt > 1 && work >= kParallelMinMacs && panels >= 2) {
-    at::parallel_for(0, panels, (panels + nt - 1) / nt, [&](int64_t p0, int64_t p1) {
-      K().gemm(X, ldx, T, w, wtype, Kd, N, p0, p1, Y, ldy, bias);
-    });
-  } else {
-    K().gemm(X, ldx, T, w, wtype, Kd, N, 0, panels, Y, ldy, bias);
-  }
-}
-
-void gemm(const float* X, int64_t ldx, int64_t T, const W& w, int64_t N, float* Y, int64_t ldy,
-          const float* bias = nullptr) {
-  gemm(X, ldx, T, w.p, w.type, w.panels, w.k, N, Y, ldy, bias);
-}
-
-void norm(const float* x, int64_t ldx, int64_t rows, int64_t dim, const W& w, float eps, float* y, int64_t ldy) {
-  K().rms_norm(x, ldx, rows, dim, w.p, w.type, eps, y, ldy);
+template <typename T>
+std::unique_ptr<T[]> buf(int64_t n) {
+  return std::unique_ptr<T[]>(new T[static_cast<size_t>(std::max<int64_t>(n, 1))]);
 }
 
 // Rotary embedding of `dim` values in place, cos/sin [dim/2]; output [x1*c - x2*s | x2*c + x1*s].
@@ -142,8 +78,9 @@ void rope_inplace(float* x, int64_t dim, const float* c, const float* s, bool in
   std::memcpy(x, tmp, sizeof(float) * dim);
 }
 
+// The batch: T tokens in B rows, paged cache addressing, rope tables.
 struct Batch {
-  int64_t T = 0, B = 0, max_blocks = 0, max_ctx = 0;
+  int64_t T = 0, B = 0, max_blocks = 0, max_ctx = 0, page = 0;
   const int64_t* positions = nullptr;
   const int64_t* slots = nullptr;
   const int32_t* qstart = nullptr;
@@ -151,324 +88,521 @@ struct Batch {
   const int32_t* ctx = nullptr;
   const float* cos = nullptr;
   const float* sin = nullptr;
+  std::vector<int32_t> row_of;   // [T]: the row of each token
 };
 
-struct Dims {
-  int64_t H, q_lora, R, P, heads, experts, top_k, groups, topk_groups;
-  bool norm_topk, interleave;
-  float eps, scale, routed_scale;
+// Work buffers of one call, shared by the team (each member writes only its own share of them).
+struct Work {
+  int64_t T;
+  std::unique_ptr<float[]> x, h, aq, akv, qc, q, qlat, olat, v, out;
+  std::unique_ptr<float[]> g, u, act;                 // dense MLP / routed experts [pairs, I], shared [T, Is]
+  std::unique_ptr<float[]> gs, us, acts;
+  std::unique_ptr<float[]> logits, wts;               // router
+  std::unique_ptr<int32_t[]> idx;
+  // routing result: experts in ascending id with their tokens (pair rows into act) and weights
+  std::vector<int32_t> active, first, tokens;         // tokens of active[i] at tokens[first[i]..first[i+1])
+  std::vector<float> weight;                          // parallel to tokens
+  int64_t q_in_ld = 0, q_ld = 0, qlat_ld = 0;
 };
 
-void attention_block(const Dims& d, const Batch& b, const std::vector<at::Tensor>& w, const at::Tensor& cache,
-                     float* x) {
-  const int64_t T = b.T, H = d.H, R = d.R, P = d.P, nh = d.heads, D = R + P;
-  const W in_norm = weight(w[kInNorm]), wa = weight(w[kWa]), qa_norm = weight(w[kQaNorm]), wq = weight(w[kWq]);
-  const W kv_norm = weight(w[kKvNorm]), wo = weight(w[kWo]);
-  const float* ba = w[kBa].defined() && w[kBa].numel() ? w[kBa].data_ptr<float>() : nullptr;
-  const int64_t na = (d.q_lora ? d.q_lora : nh * D) + R + P;   // [q_c | c_kv | k_pe] (q itself without q_lora)
-  const int64_t q_in = d.q_lora ? d.q_lora : 0;
-  std::vector<float> h(T * H), a(T * na), q(T * nh * D), o(T * nh * R), tmp(std::max<int64_t>(D, 2 * P));
-  norm(x, H, T, H, in_norm, d.eps, h.data(), H);
-  gemm(h.data(), H, T, wa, na, a.data(), na, ba);
-  const int64_t kv_off = na - (R + P);
-  if (d.q_lora) {
-    std::vector<float> qc(T * q_in);
-    norm(a.data(), na, T, q_in, qa_norm, d.eps, qc.data(), q_in);
-    gemm(qc.data(), q_in, T, wq, nh * D, q.data(), nh * D);
-  } else {
-    for (int64_t t = 0; t < T; ++t) std::memcpy(&q[t * nh * D], &a[t * na], sizeof(float) * nh * D);
+struct Forward {
+  const DecodeWeights& W;
+  const DecodeDims& d;
+  const Batch& b;
+  Work& w;
+  const std::vector<at::Tensor>& caches;
+  int64_t scratch_floats;
+
+  // ---- helpers ------------------------------------------------------------------------------------
+  void gemm(Team& tm, const Mat& M, const Rows& X, float* Y, int64_t ldy, float* scratch) const {
+    const auto [n0, n1] = tm.split(M.n, cpu::gemm_align(M));
+    K().gemm(M, X, n0, n1, Y, ldy, scratch);
   }
-  // the latent KV of every token, into its cache slot
-  const int64_t half = P / 2;
-  std::vector<float> kv(R + P);
-  const bool bf16_cache = cache.scalar_type() == at::kBFloat16;
-  for (int64_t t = 0; t < T; ++t) {
-    const float* c = b.cos + b.positions[t] * half;
-    const float* s = b.sin + b.positions[t] * half;
-    norm(&a[t * na + kv_off], na, 1, R, kv_norm, d.eps, kv.data(), R);
-    std::memcpy(&kv[R], &a[t * na + kv_off + R], sizeof(float) * P);
-    rope_inplace(&kv[R], P, c, s, d.interleave, tmp.data());
-    if (bf16_cache) {
-      c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + b.slots[t] * D;
-      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<c10::BFloat16>(kv[i]);
-    } else {
-      std::memcpy(cache.data_ptr<float>() + b.slots[t] * D, kv.data(), sizeof(float) * D);
+  void norm_rows(Team& tm, const float* x, int64_t ldx, int64_t dim, const NormW& nw, float* y, int64_t ldy) const {
+    const auto [t0, t1] = tm.split(w.T);
+    if (t1 > t0) K().rms_norm(x + t0 * ldx, ldx, t1 - t0, dim, nw.p, nw.type, d.eps, y + t0 * ldy, ldy);
+  }
+
+  // ---- attention ----------------------------------------------------------------------------------
+  void attention(Team& tm, const LayerW& L, const at::Tensor& cache, float* scratch, float* att_scratch) {
+    const int64_t T = w.T, H = d.H, R = d.R, P = d.P, nh = d.heads, D = R + P;
+    const bool absorbed = L.absorbed();
+    const int64_t dq = absorbed ? D : d.dn + P;               // per-head width of q
+    norm_rows(tm, w.x.get(), H, H, L.in_norm, w.h.get(), H);
+    tm.sync();
+    const Rows hx{w.h.get(), H, nullptr, T};
+    gemm(tm, L.q_in, hx, w.aq.get(), w.q_in_ld, scratch);
+    gemm(tm, L.kv_a, hx, w.akv.get(), R + P, scratch);
+    tm.sync();
+    const float* kv_src = w.akv.get();
+    const int64_t kv_ld = R + P;
+    float* q = w.aq.get();
+    int64_t q_ld = w.q_in_ld;
+    if (d.q_lora) {
+      norm_rows(tm, w.aq.get(), w.q_in_ld, d.q_lora, L.q_a_norm, w.qc.get(), d.q_lora);
+      tm.sync();
+      gemm(tm, L.q_b, Rows{w.qc.get(), d.q_lora, nullptr, T}, w.q.get(), nh * dq, scratch);
+      tm.sync();
+      q = w.q.get();
+      q_ld = nh * dq;
     }
-    for (int64_t hh = 0; hh < nh; ++hh) rope_inplace(&q[(t * nh + hh) * D + R], P, c, s, d.interleave, tmp.data());
+    // the latent KV of every token into its cache slot; the rope part of q rotated
+    float* qlat = absorbed ? q : w.qlat.get();
+    const int64_t qlat_ld = absorbed ? q_ld : nh * D;
+    {
+      const auto [t0, t1] = tm.split(T);
+      const bool bf16_cache = cache.scalar_type() == at::kBFloat16;
+      float tmp[2 * 512 + 64], kv[1024 + 256];
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* c = b.cos + b.positions[t] * (P / 2);
+        const float* s = b.sin + b.positions[t] * (P / 2);
+        K().rms_norm(kv_src + t * kv_ld, kv_ld, 1, R, L.kv_norm.p, L.kv_norm.type, d.eps, kv, R);
+        std::memcpy(kv + R, kv_src + t * kv_ld + R, sizeof(float) * P);
+        rope_inplace(kv + R, P, c, s, d.interleave, tmp);
+        if (bf16_cache) {
+          c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + b.slots[t] * D;
+          for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<c10::BFloat16>(kv[i]);
+        } else {
+          std::memcpy(cache.data_ptr<float>() + b.slots[t] * D, kv, sizeof(float) * D);
+        }
+        for (int64_t hh = 0; hh < nh; ++hh) {
+          float* qr = q + t * q_ld + hh * dq + (dq - P);
+          rope_inplace(qr, P, c, s, d.interleave, tmp);
+          if (!absorbed) std::memcpy(qlat + t * qlat_ld + hh * D + R, qr, sizeof(float) * P);
+        }
+      }
+    }
+    tm.sync();
+    if (!absorbed) {   // q_latent_h = q_nope_h @ W_UK_h (kv_b_proj's key rows, read in place)
+      const int64_t tiles = (R + 63) / 64;
+      const auto [i0, i1] = tm.split(nh * tiles);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t hh = i / tiles, n0 = (i % tiles) * 64;
+        K().gemm(L.uk[hh], Rows{q + hh * dq, q_ld, nullptr, T}, n0, std::min(R, n0 + 64), qlat + hh * D, qlat_ld,
+                 scratch);
+      }
+      tm.sync();
+    }
+    {   // attention: (token, group of 4 heads) items
+      const int64_t groups = (nh + 3) / 4;
+      const auto [i0, i1] = tm.split(T * groups);
+      const int ctype = cache.scalar_type() == at::kBFloat16 ? cpu::kBF16 : cpu::kF32;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t t = i / groups, h0 = (i % groups) * 4, h1 = std::min(nh, h0 + 4);
+        const int64_t r = b.row_of[t], nq = b.qstart[r + 1] - b.qstart[r];
+        const int64_t visible = b.ctx[r] - nq + (t - b.qstart[r]) + 1;
+        K().attention(qlat + t * qlat_ld, nh, h0, h1, R, P, cache.data_ptr(), ctype, b.page,
+                      b.tables + r * b.max_blocks, visible, d.scale, w.olat.get() + t * nh * R, att_scratch);
+      }
+    }
+    tm.sync();
+    const float* o_in = w.olat.get();
+    int64_t o_ld = nh * R;
+    if (!absorbed) {   // v_h = W_UV_h o_h (kv_b_proj's value rows, read in place)
+      const int64_t tiles = (d.dv + 31) / 32;
+      const auto [i0, i1] = tm.split(nh * tiles);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t hh = i / tiles, n0 = (i % tiles) * 32;
+        K().gemm(L.uv[hh], Rows{w.olat.get() + hh * R, nh * R, nullptr, T}, n0, std::min(d.dv, n0 + 32),
+                 w.v.get() + hh * d.dv, nh * d.dv, scratch);
+      }
+      tm.sync();
+      o_in = w.v.get();
+      o_ld = nh * d.dv;
+    }
+    {   // x += o_proj(.): each member adds the columns it computed
+      const auto [n0, n1] = tm.split(H, cpu::gemm_align(L.o));
+      K().gemm(L.o, Rows{o_in, o_ld, nullptr, T}, n0, n1, w.out.get(), H, scratch);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t n = n0; n < n1; ++n) w.x[t * H + n] += w.out[t * H + n];
+    }
+    tm.sync();
   }
-  const int ctype = bf16_cache ? cpu::kBF16 : cpu::kF32;
-  const int64_t page = cache.size(1);
-  auto run_rows = [&](int64_t b0, int64_t b1) {
-    std::vector<float> scratch(nh * (std::max<int64_t>(b.max_ctx, 1) + 1));
-    K().attention(q.data(), T, nh, R, P, cache.data_ptr(), ctype, page, b.tables, b.max_blocks, b.qstart, b.ctx, b.B,
-                  b0, b1, d.scale, o.data(), scratch.data());
-  };
-  if (at::get_num_threads() > 1 && b.B >= kParallelMinRows) {
-    at::parallel_for(0, b.B, 1, run_rows);
-  } else {
-    run_rows(0, b.B);
+
+  // ---- feed-forward -------------------------------------------------------------------------------
+  // gate/up rows [i0, i1) of f over X into g/u (row stride ldo), and act = silu(g) * u for them.
+  static void ffn_up(const FFNW& f, const Rows& X, int64_t i0, int64_t i1, float* g, float* u, float* act,
+                     int64_t ldo, float* scratch) {
+    K().gemm(f.gate, X, i0, i1, g, ldo, scratch);
+    K().gemm(f.up, X, i0, i1, u, ldo, scratch);
+    for (int64_t t = 0; t < X.T; ++t) K().silu_mul(g + t * ldo + i0, u + t * ldo + i0, i1 - i0, act + t * ldo + i0);
   }
-  std::vector<float>& out = h;   // reuse: [T, H]
-  gemm(o.data(), nh * R, T, wo, H, out.data(), H);
-  for (int64_t i = 0; i < T * H; ++i) x[i] += out[i];
-}
 
-// One SwiGLU MLP over n gathered rows: y = (silu(X W1^T) * (X W3^T)) W2^T, W13 = [W1 | W3] as [2I, H].
-// w13 packed [ceil(2I/64), H, 64], w2 packed [ceil(H/64), I, 64]; single-threaded (experts run in parallel).
-void mlp_rows(const float* X, int64_t n, int64_t H, const void* w13, const void* w2, int wtype, int64_t inter,
-              float* Y) {
-  std::vector<float> g(n * 2 * inter), act(n * inter);
-  K().gemm(X, H, n, w13, wtype, H, 2 * inter, 0, (2 * inter + 63) / 64, g.data(), 2 * inter, nullptr);
-  K().silu_mul(g.data(), 2 * inter, n, inter, act.data(), inter);
-  K().gemm(act.data(), inter, n, w2, wtype, inter, H, 0, (H + 63) / 64, Y, H, nullptr);
-}
+  void dense_mlp(Team& tm, const FFNW& f, float* scratch) {
+    const int64_t T = w.T, H = d.H, I = f.inter;
+    const Rows hx{w.h.get(), H, nullptr, T};
+    {
+      const auto [i0, i1] = tm.split(I, cpu::gemm_align(f.gate));
+      ffn_up(f, hx, i0, i1, w.g.get(), w.u.get(), w.act.get(), I, scratch);
+    }
+    tm.sync();
+    const auto [n0, n1] = tm.split(H, cpu::gemm_align(f.down));
+    K().gemm(f.down, Rows{w.act.get(), I, nullptr, T}, n0, n1, w.out.get(), H, scratch);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = n0; n < n1; ++n) w.x[t * H + n] += w.out[t * H + n];
+    tm.sync();
+  }
 
-void route(const Dims& d, const float* h, int64_t T, const std::vector<at::Tensor>& w, std::vector<int64_t>& idx,
-           std::vector<float>& wts) {
-  const int64_t E = d.experts, k = d.top_k;
-  std::vector<float> logits(T * E), scores(T * E);
-  const W gate = weight(w[kGate]);
-  K().gemm(h, d.H, T, gate.p, gate.type, d.H, E, 0, gate.panels, logits.data(), E, nullptr);
-  K().sigmoid(logits.data(), T * E, scores.data());
-  const float* bias = w[kGateBias].data_ptr<float>();
-  const int64_t G = d.groups, per = E / std::max<int64_t>(G, 1);
-  std::vector<float> choice(E), gscore(G);
-  std::vector<char> keep(G);
-  idx.assign(T * k, 0);
-  wts.assign(T * k, 0.f);
-  for (int64_t t = 0; t < T; ++t) {
-    const float* sc = &scores[t * E];
-    for (int64_t e = 0; e < E; ++e) choice[e] = sc[e] + bias[e];
+  // Router of token t: sigmoid scores + correction bias, group-limited top-k (lower id on ties).
+  void route_token(const LayerW& L, int64_t t) {
+    const int64_t E = d.experts, k = d.top_k, G = d.groups, per = E / G;
+    float* lg = w.logits.get() + t * E;
+    float sc[1024], choice[1024], gscore[256];
+    K().sigmoid(lg, E, sc);
+    for (int64_t e = 0; e < E; ++e) choice[e] = sc[e] + L.router_bias[e];
     if (G > 1) {
+      bool keep[256];
       for (int64_t g = 0; g < G; ++g) {   // group score: the sum of its two best (biased) scores
         float b1 = -INFINITY, b2 = -INFINITY;
         for (int64_t e = g * per; e < (g + 1) * per; ++e) {
           if (choice[e] > b1) { b2 = b1; b1 = choice[e]; } else if (choice[e] > b2) { b2 = choice[e]; }
         }
         gscore[g] = per >= 2 ? b1 + b2 : b1;
-        keep[g] = 0;
+        keep[g] = false;
       }
       for (int64_t n = 0; n < d.topk_groups; ++n) {   // keep the topk_group best groups (first on ties)
         int64_t best = -1;
         for (int64_t g = 0; g < G; ++g)
           if (!keep[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
-        keep[best] = 1;
+        keep[best] = true;
       }
       for (int64_t e = 0; e < E; ++e)
         if (!keep[e / per]) choice[e] = -INFINITY;
     }
+    int32_t* idx = w.idx.get() + t * k;
+    float* wts = w.wts.get() + t * k;
     float sum = 0.f;
     for (int64_t j = 0; j < k; ++j) {   // top-k experts, best first (lower id on ties)
       int64_t best = -1;
       for (int64_t e = 0; e < E; ++e) {
         bool taken = false;
-        for (int64_t i = 0; i < j; ++i) taken |= idx[t * k + i] == e;
+        for (int64_t i = 0; i < j; ++i) taken |= idx[i] == e;
         if (!taken && (best < 0 || choice[e] > choice[best])) best = e;
       }
-      idx[t * k + j] = best;
-      wts[t * k + j] = sc[best];
+      idx[j] = static_cast<int32_t>(best);
+      wts[j] = sc[best];
       sum += sc[best];
     }
     for (int64_t j = 0; j < k; ++j) {
-      if (d.norm_topk) wts[t * k + j] = wts[t * k + j] / (sum + 1e-20f);
-      wts[t * k + j] *= d.routed_scale;
+      if (d.norm_topk) wts[j] = wts[j] / (sum + 1e-20f);
+      wts[j] *= d.routed_scale;
     }
   }
-}
 
-void ffn_block(const Dims& d, int64_t T, const std::vector<at::Tensor>& w, float* x) {
-  const int64_t H = d.H;
-  std::vector<float> h(T * H), out(T * H, 0.f);
-  norm(x, H, T, H, weight(w[kPostNorm]), d.eps, h.data(), H);
-  if (w[kMlpW13].defined() && w[kMlpW13].numel()) {   // dense MLP
-    const W w13 = weight(w[kMlpW13]), w2 = weight(w[kMlpW2]);
-    const int64_t inter = w2.k;
-    std::vector<float> g(T * 2 * inter), act(T * inter);
-    gemm(h.data(), H, T, w13, 2 * inter, g.data(), 2 * inter);
-    K().silu_mul(g.data(), 2 * inter, T, inter, act.data(), inter);
-    gemm(act.data(), inter, T, w2, H, out.data(), H);
-    for (int64_t i = 0; i < T * H; ++i) x[i] += out[i];
-    return;
-  }
-  std::vector<int64_t> idx;
-  std::vector<float> wts;
-  route(d, h.data(), T, w, idx, wts);
-  const int64_t E = d.experts, k = d.top_k;
-  const at::Tensor& e13 = w[kExpW13];
-  const at::Tensor& e2 = w[kExpW2];
-  const int wtype = wtype_of(e13);
-  TORCH_CHECK(e13.dim() == 4 && e2.dim() == 4 && e13.is_contiguous() && e2.is_contiguous(),
-              "decode_forward: stacked experts must be packed [E, panels, K, 64]");
-  const int64_t inter = e2.size(2), esize = wtype == cpu::kBF16 ? 2 : 4;
-  const int64_t e13_stride = e13.size(1) * e13.size(2) * 64, e2_stride = e2.size(1) * e2.size(2) * 64;
-  const char* e13p = static_cast<const char*>(e13.data_ptr());
-  const char* e2p = static_cast<const char*>(e2.data_ptr());
-  // tokens per chosen expert (each distinct expert once, over exactly its tokens)
-  std::vector<std::vector<int64_t>> pairs(E);   // flat (token * k + slot) ids
-  for (int64_t p = 0; p < T * k; ++p) pairs[idx[p]].push_back(p);
-  std::vector<int64_t> active;
-  for (int64_t e = 0; e < E; ++e)
-    if (!pairs[e].empty()) active.push_back(e);
-  const bool shared = w[kShW13].defined() && w[kShW13].numel();
-  std::vector<float> ybuf(T * k * H), shared_out(shared ? T * H : 0);
-  const int64_t n_tasks = static_cast<int64_t>(active.size()) + (shared ? 1 : 0);
-  auto run = [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      if (i == static_cast<int64_t>(active.size())) {   // the shared expert, over every token
-        const W s13 = weight(w[kShW13]), s2 = weight(w[kShW2]);
-        mlp_rows(h.data(), T, H, s13.p, s2.p, s13.type, s2.k, shared_out.data());
-        continue;
+  void moe(Team& tm, const LayerW& L, float* scratch) {
+    const int64_t T = w.T, H = d.H, E = d.experts, k = d.top_k;
+    const Rows hx{w.h.get(), H, nullptr, T};
+    gemm(tm, L.router, hx, w.logits.get(), E, scratch);
+    tm.sync();
+    {
+      const auto [t0, t1] = tm.split(T);
+      for (int64_t t = t0; t < t1; ++t) route_token(L, t);
+    }
+    tm.sync();
+    if (tm.rank() == 0) {   // experts in ascending id, each with its tokens in token order
+      std::vector<int32_t> count(E, 0);
+      for (int64_t p = 0; p < T * k; ++p) ++count[w.idx[p]];
+      w.active.clear();
+      w.first.assign(1, 0);
+      std::vector<int32_t> start(E, 0);
+      for (int64_t e = 0; e < E; ++e)
+        if (count[e]) {
+          start[e] = w.first.back();
+          w.active.push_back(static_cast<int32_t>(e));
+          w.first.push_back(w.first.back() + count[e]);
+        }
+      w.tokens.assign(T * k, 0);
+      w.weight.assign(T * k, 0.f);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t j = 0; j < k; ++j) {
+          const int32_t e = w.idx[t * k + j];
+          w.tokens[start[e]] = static_cast<int32_t>(t);
+          w.weight[start[e]++] = w.wts[t * k + j];
+        }
+    }
+    tm.sync();
+    // gate / up / act of every (expert, 32-row chunk of its intermediate) and of the shared expert
+    const int64_t na = static_cast<int64_t>(w.active.size());
+    const int64_t I = na ? L.experts[w.active[0]].inter : 0, Is = L.shared.defined() ? L.shared.inter : 0;
+    // chunks of 32 rows (64 for panels: a chunk is whole panels)
+    const int64_t chunk = std::max<int64_t>(32, cpu::gemm_align(na ? L.experts[w.active[0]].gate : L.shared.gate));
+    const int64_t per_e = (I + chunk - 1) / chunk, per_s = (Is + chunk - 1) / chunk;
+    {
+      const auto [i0, i1] = tm.split(na * per_e + per_s);
+      for (int64_t i = i0; i < i1; ++i) {
+        if (i < na * per_e) {
+          const int64_t a = i / per_e, c0 = (i % per_e) * chunk, c1 = std::min(I, c0 + chunk);
+          const FFNW& f = L.experts[w.active[a]];
+          const int64_t off = w.first[a];
+          const Rows X{w.h.get(), H, w.tokens.data() + off, w.first[a + 1] - off};
+          ffn_up(f, X, c0, c1, w.g.get() + off * I, w.u.get() + off * I, w.act.get() + off * I, I, scratch);
+        } else {
+          const int64_t c0 = (i - na * per_e) * chunk, c1 = std::min(Is, c0 + chunk);
+          ffn_up(L.shared, hx, c0, c1, w.gs.get(), w.us.get(), w.acts.get(), Is, scratch);
+        }
       }
-      const int64_t e = active[i];
-      const std::vector<int64_t>& ps = pairs[e];
-      const int64_t n = static_cast<int64_t>(ps.size());
-      std::vector<float> X(n * H), Y(n * H);
-      for (int64_t r = 0; r < n; ++r) std::memcpy(&X[r * H], &h[(ps[r] / k) * H], sizeof(float) * H);
-      mlp_rows(X.data(), n, H, e13p + e * e13_stride * esize, e2p + e * e2_stride * esize, wtype, inter, Y.data());
-      for (int64_t r = 0; r < n; ++r) std::memcpy(&ybuf[ps[r] * H], &Y[r * H], sizeof(float) * H);
     }
-  };
-  if (at::get_num_threads() > 1 && n_tasks > 1 && T * k >= kParallelMinPairs) {
-    at::parallel_for(0, n_tasks, 1, run);
-  } else {
-    run(0, n_tasks);
+    tm.sync();
+    // down projections over this member's hidden columns, combined per token in ascending expert order
+    {
+      const auto [n0, n1] = tm.split(H, 8);
+      float* out = w.out.get();
+      for (int64_t t = 0; t < T; ++t) std::fill(out + t * H + n0, out + t * H + n1, 0.f);
+      float* y = scratch + scratch_floats;   // [T, H] beyond the gemm scratch
+      for (int64_t a = 0; a < na; ++a) {
+        const int64_t off = w.first[a], n = w.first[a + 1] - off;
+        K().gemm(L.experts[w.active[a]].down, Rows{w.act.get() + off * I, I, nullptr, n}, n0, n1, y, H, scratch);
+        for (int64_t r = 0; r < n; ++r) {
+          const float wt = w.weight[off + r];
+          float* o = out + w.tokens[off + r] * H;
+          const float* yr = y + r * H;
+          for (int64_t c = n0; c < n1; ++c) o[c] += yr[c] * wt;
+        }
+      }
+      if (Is) {
+        K().gemm(L.shared.down, Rows{w.acts.get(), Is, nullptr, T}, n0, n1, y, H, scratch);
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t c = n0; c < n1; ++c) out[t * H + c] += y[t * H + c];
+      }
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = n0; c < n1; ++c) w.x[t * H + c] += out[t * H + c];
+    }
+    tm.sync();
   }
-  // combine per token in ascending expert order (the reference's order), then the shared expert
-  std::vector<int64_t> order(k);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t j = 0; j < k; ++j) order[j] = j;
-    std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return idx[t * k + a] < idx[t * k + b]; });
-    float* o = &out[t * H];
-    for (int64_t j : order) {
-      const float wj = wts[t * k + j];
-      const float* y = &ybuf[(t * k + j) * H];
-      for (int64_t i = 0; i < H; ++i) o[i] += y[i] * wj;
-    }
-    if (shared) {
-      for (int64_t i = 0; i < H; ++i) o[i] += shared_out[t * H + i];
-    }
-    for (int64_t i = 0; i < H; ++i) x[t * H + i] += o[i];
-  }
-}
 
-at::Tensor decode_forward_cpu(const at::Tensor& ids, const at::Tensor& embed, const std::optional<at::Tensor>& mtp_hidden,
-                              at::TensorList weights, at::IntArrayRef dims, at::ArrayRef<double> fparams,
-                              at::TensorList caches, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
-                              const at::Tensor& positions, const at::Tensor& slot_mapping,
-                              const at::Tensor& query_start, const at::Tensor& block_tables,
-                              const at::Tensor& seqlens, const std::optional<at::Tensor>& final_norm) {
-  TORCH_CHECK(dims.size() == dNumDims && fparams.size() == fNumF, "decode_forward: dims/fparams have the wrong length");
-  const int64_t L = static_cast<int64_t>(caches.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * kNumSlots, "decode_forward: expected ", L * kNumSlots,
-              " weights for ", L, " layers, got ", weights.size());
-  const Dims d{dims[dH], dims[dQLora], dims[dR], dims[dP], dims[dHeads], dims[dExperts], dims[dTopK], dims[dGroups],
-               dims[dTopKGroups], dims[dNormTopK] != 0, dims[dInterleave] != 0, static_cast<float>(fparams[fEps]),
-               static_cast<float>(fparams[fScale]), static_cast<float>(fparams[fRoutedScale])};
-  const int64_t T = ids.numel(), H = d.H;
+  // ---- one layer ----------------------------------------------------------------------------------
+  void layer(Team& tm, const LayerW& L, const at::Tensor& cache, const float* mtp_hidden, float* scratch,
+             float* att_scratch) {
+    const int64_t T = w.T, H = d.H;
+    if (L.eh_proj.defined()) {   // MTP prologue: x = eh_proj([enorm(embed) | hnorm(h)])
+      norm_rows(tm, w.x.get(), H, H, L.enorm, w.g.get(), 2 * H);
+      norm_rows(tm, mtp_hidden, H, H, L.hnorm, w.g.get() + H, 2 * H);
+      tm.sync();
+      gemm(tm, L.eh_proj, Rows{w.g.get(), 2 * H, nullptr, T}, w.x.get(), H, scratch);
+      tm.sync();
+    }
+    attention(tm, L, cache, scratch, att_scratch);
+    norm_rows(tm, w.x.get(), H, H, L.post_norm, w.h.get(), H);
+    tm.sync();
+    if (L.mlp.defined()) dense_mlp(tm, L.mlp, scratch); else moe(tm, L, scratch);
+    if (L.head_norm.defined()) {
+      norm_rows(tm, w.x.get(), H, H, L.head_norm, w.h.get(), H);
+      tm.sync();
+      const auto [t0, t1] = tm.split(T);
+      std::memcpy(w.x.get() + t0 * H, w.h.get() + t0 * H, sizeof(float) * (t1 - t0) * H);
+      tm.sync();
+    }
+  }
+};
+
+void check_batch(const DecodeDims& d, const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
+                 const at::Tensor& query_start, const at::Tensor& block_tables, const at::Tensor& seqlens,
+                 const at::Tensor& rope_cos, const at::Tensor& rope_sin, at::TensorList caches, Batch& b) {
+  const int64_t T = ids.numel();
   TORCH_CHECK(ids.scalar_type() == at::kLong && positions.scalar_type() == at::kLong &&
-                  slot_mapping.scalar_type() == at::kLong && positions.numel() == T && slot_mapping.numel() == T,
-              "decode_forward: ids, positions and slot_mapping must be int64 [T]");
+                  slots.scalar_type() == at::kLong && positions.numel() == T && slots.numel() == T &&
+                  ids.is_contiguous() && positions.is_contiguous() && slots.is_contiguous(),
+              "decode_forward: ids, positions and slot_mapping must be contiguous int64 [T]");
   TORCH_CHECK(query_start.scalar_type() == at::kInt && block_tables.scalar_type() == at::kInt &&
-                  seqlens.scalar_type() == at::kInt && block_tables.dim() == 2,
-              "decode_forward: query_start, block_tables and seqlens must be int32");
-  TORCH_CHECK(embed.dim() == 2 && embed.size(1) == H && embed.is_contiguous(), "decode_forward: embed must be [V, H]");
-  TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_cos.is_contiguous() && rope_sin.is_contiguous(),
-              "decode_forward: rope tables must be contiguous float32");
-  Batch b;
+                  seqlens.scalar_type() == at::kInt && block_tables.dim() == 2 && query_start.is_contiguous() &&
+                  block_tables.is_contiguous() && seqlens.is_contiguous(),
+              "decode_forward: query_start, block_tables and seqlens must be contiguous int32");
+  TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_sin.scalar_type() == at::kFloat &&
+                  rope_cos.is_contiguous() && rope_sin.is_contiguous() && rope_cos.dim() == 2 &&
+                  rope_cos.size(1) * 2 == d.P && rope_sin.sizes() == rope_cos.sizes(),
+              "decode_forward: rope tables must be contiguous float32 [max_pos, rope/2]");
   b.T = T;
   b.B = block_tables.size(0);
   b.max_blocks = block_tables.size(1);
   TORCH_CHECK(query_start.numel() == b.B + 1 && seqlens.numel() == b.B,
               "decode_forward: query_start must be [B+1] and seqlens [B]");
-  const at::Tensor qs = query_start.contiguous(), bt = block_tables.contiguous(), sl = seqlens.contiguous();
-  const at::Tensor pos = positions.contiguous(), slots = slot_mapping.contiguous(), idc = ids.contiguous();
-  b.positions = pos.data_ptr<int64_t>();
+  b.positions = positions.data_ptr<int64_t>();
   b.slots = slots.data_ptr<int64_t>();
-  b.qstart = qs.data_ptr<int32_t>();
-  b.tables = bt.data_ptr<int32_t>();
-  b.ctx = sl.data_ptr<int32_t>();
+  b.qstart = query_start.data_ptr<int32_t>();
+  b.tables = block_tables.data_ptr<int32_t>();
+  b.ctx = seqlens.data_ptr<int32_t>();
   b.cos = rope_cos.data_ptr<float>();
   b.sin = rope_sin.data_ptr<float>();
   TORCH_CHECK(b.qstart[0] == 0 && b.qstart[b.B] == T, "decode_forward: query_start must run from 0 to T");
-  for (int64_t r = 0; r < b.B; ++r) {
-    const int64_t nq = b.qstart[r + 1] - b.qstart[r];
-    TORCH_CHECK(nq >= 0 && b.ctx[r] >= nq && b.ctx[r] <= b.max_blocks * (caches.empty() ? 1 : caches[0].size(1)),
-                "decode_forward: row ", r, " has ", nq, " queries and context length ", b.ctx[r]);
-    b.max_ctx = std::max<int64_t>(b.max_ctx, b.ctx[r]);
-  }
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(b.positions[t] >= 0 && b.positions[t] < rope_cos.size(0), "decode_forward: position ",
-                b.positions[t], " outside the rope table");
-  }
-  // every layer's cache has the same layout (one pool, one block table): check the slots and pages once
+  const int64_t D = d.R + d.P;
   for (const at::Tensor& c : caches) {
-    TORCH_CHECK(c.dim() == 3 && c.size(2) == d.R + d.P && c.is_contiguous() &&
+    TORCH_CHECK(c.dim() == 3 && c.size(2) == D && c.is_contiguous() &&
                     (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16) &&
                     c.sizes() == caches[0].sizes() && c.scalar_type() == caches[0].scalar_type(),
                 "decode_forward: caches must be contiguous [blocks, page, R+P] float32/bfloat16, all alike");
   }
-  if (!caches.empty()) {
-    const at::Tensor& c = caches[0];
-    const int64_t capacity = c.size(0) * c.size(1);
-    for (int64_t t = 0; t < T; ++t)
-      TORCH_CHECK(b.slots[t] >= 0 && b.slots[t] < capacity, "decode_forward: slot ", b.slots[t], " outside the cache");
-    for (int64_t r = 0; r < b.B; ++r)
-      for (int64_t i = 0; i < (b.ctx[r] + c.size(1) - 1) / c.size(1); ++i) {
-        const int32_t blk = b.tables[r * b.max_blocks + i];
-        TORCH_CHECK(blk >= 0 && blk < c.size(0), "decode_forward: block_tables[", r, ", ", i, "] = ", blk,
-                    " is not a cache block");
-      }
+  b.page = caches.empty() ? 1 : caches[0].size(1);
+  const int64_t num_blocks = caches.empty() ? 0 : caches[0].size(0);
+  b.row_of.assign(T, 0);
+  for (int64_t r = 0; r < b.B; ++r) {
+    const int64_t nq = b.qstart[r + 1] - b.qstart[r];
+    TORCH_CHECK(nq >= 0 && b.ctx[r] >= nq && b.ctx[r] <= b.max_blocks * b.page, "decode_forward: row ", r, " has ",
+                nq, " queries and context length ", b.ctx[r]);
+    b.max_ctx = std::max<int64_t>(b.max_ctx, b.ctx[r]);
+    for (int64_t t = b.qstart[r]; t < b.qstart[r + 1]; ++t) b.row_of[t] = static_cast<int32_t>(r);
+    for (int64_t i = 0; i < (b.ctx[r] + b.page - 1) / b.page; ++i) {
+      const int32_t blk = b.tables[r * b.max_blocks + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "decode_forward: block_tables[", r, ", ", i, "] = ", blk,
+                  " is not a cache block");
+    }
   }
-  // x: the embeddings (fp32 residual stream)
-  std::vector<float> x(T * H);
-  const int64_t* tok = idc.data_ptr<int64_t>();
-  const W emb = weight(embed);
+  const int64_t* tok = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(tok[t] >= 0 && tok[t] < embed.size(0), "decode_forward: token id ", tok[t], " outside the vocabulary");
-    if (emb.type == cpu::kBF16) {
-      const c10::BFloat16* src = embed.data_ptr<c10::BFloat16>() + tok[t] * H;
-      for (int64_t i = 0; i < H; ++i) x[t * H + i] = static_cast<float>(src[i]);
-    } else {
-      std::memcpy(&x[t * H], embed.data_ptr<float>() + tok[t] * H, sizeof(float) * H);
-    }
+    TORCH_CHECK(b.positions[t] >= 0 && b.positions[t] < rope_cos.size(0), "decode_forward: position ",
+                b.positions[t], " outside the rope table");
+    TORCH_CHECK(b.slots[t] >= 0 && b.slots[t] < num_blocks * b.page, "decode_forward: slot ", b.slots[t],
+                " outside the cache");
+    TORCH_CHECK(tok[t] >= 0 && tok[t] < d.vocab, "decode_forward: token id ", tok[t], " outside the vocabulary");
   }
-  std::vector<at::Tensor> lw(kNumSlots);
-  for (int64_t l = 0; l < L; ++l) {
-    for (int s = 0; s < kNumSlots; ++s) lw[s] = weights[l * kNumSlots + s];
-    if (lw[kEhProj].defined() && lw[kEhProj].numel()) {   // MTP prologue: eh_proj([enorm(emb) | hnorm(h)])
-      TORCH_CHECK(mtp_hidden.has_value() && mtp_hidden->numel() == T * H, "decode_forward: an MTP layer needs hidden [T, H]");
-      const at::Tensor hid = mtp_hidden->to(at::kFloat).contiguous();
-      std::vector<float> cat(T * 2 * H);
-      norm(x.data(), H, T, H, weight(lw[kENorm]), d.eps, cat.data(), 2 * H);
-      norm(hid.data_ptr<float>(), H, T, H, weight(lw[kHNorm]), d.eps, cat.data() + H, 2 * H);
-      gemm(cat.data(), 2 * H, T, weight(lw[kEhProj]), H, x.data(), H);
-    }
-    attention_block(d, b, lw, caches[l], x.data());
-    ffn_block(d, T, lw, x.data());
-    if (lw[kHeadNorm].defined() && lw[kHeadNorm].numel()) {
-      std::vector<float> y(T * H);
-      norm(x.data(), H, T, H, weight(lw[kHeadNorm]), d.eps, y.data(), H);
-      x.swap(y);
-    }
-  }
-  at::Tensor out = at::empty({T, H}, embed.options().dtype(at::kFloat));
-  if (final_norm.has_value() && final_norm->defined()) {
-    norm(x.data(), H, T, H, weight(*final_norm), d.eps, out.data_ptr<float>(), H);
-  } else {
-    std::memcpy(out.data_ptr<float>(), x.data(), sizeof(float) * T * H);
-  }
-  return embed.scalar_type() == at::kFloat ? out : out.to(embed.scalar_type());
 }
 
-// y [T, N] fp32 = x [T, K] @ W^T, W [N, K] packed [ceil(N/64), K, 64], with the batch-invariant kernel.
-at::Tensor linear_bi_cpu(const at::Tensor& x, const at::Tensor& w_packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && w_packed.dim() == 3 && w_packed.size(2) == 64 && x.size(1) == w_packed.size(1) &&
-                  n >= 0 && n <= w_packed.size(0) * 64,
-              "linear_bi: x [T, K] and a packed weight [ceil(N/64), K, 64] with N = n expected");
-  const at::Tensor xf = x.to(at::kFloat).contiguous(), wc = w_packed.contiguous();
-  at::Tensor y = at::empty({x.size(0), n}, x.options().dtype(at::kFloat));
-  gemm(xf.data_ptr<float>(), x.size(1), x.size(0), wc.data_ptr(), wtype_of(wc), wc.size(0), wc.size(1), n,
-       y.data_ptr<float>(), n);
+at::Tensor decode_forward_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, int64_t first_layer,
+                              int64_t num_layers, const at::Tensor& ids, const std::optional<at::Tensor>& mtp_hidden,
+                              at::TensorList caches, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
+                              const at::Tensor& positions, const at::Tensor& slot_mapping,
+                              const at::Tensor& query_start, const at::Tensor& block_tables,
+                              const at::Tensor& seqlens, bool final_norm) {
+  const DecodeWeights& W = *weights;
+  const DecodeDims& d = W.dims();
+  TORCH_CHECK(first_layer >= 0 && num_layers >= 1 && first_layer + num_layers <= W.num_layers() &&
+                  static_cast<int64_t>(caches.size()) == num_layers,
+              "decode_forward: layers [", first_layer, ", ", first_layer + num_layers, ") of ", W.num_layers(),
+              " with ", caches.size(), " caches");
+  Batch b;
+  check_batch(d, ids, positions, slot_mapping, query_start, block_tables, seqlens, rope_cos, rope_sin, caches, b);
+  const int64_t T = b.T, H = d.H, R = d.R, P = d.P, nh = d.heads;
+  const bool mtp = W.layers()[first_layer].eh_proj.defined();
+  at::Tensor hid;
+  if (mtp) {
+    TORCH_CHECK(mtp_hidden.has_value() && mtp_hidden->numel() == T * H, "decode_forward: an MTP layer needs hidden [T, H]");
+    hid = mtp_hidden->to(at::kFloat).contiguous();
+  }
+  at::Tensor out = at::empty({T, H}, ids.options().dtype(at::kFloat));
+  if (T == 0) return out;
+  // work buffers
+  Work w;
+  w.T = T;
+  int64_t q_in_n = 0, q_n = 0;
+  for (int64_t l = first_layer; l < first_layer + num_layers; ++l) {
+    q_in_n = std::max(q_in_n, W.layers()[l].q_in.n);
+    q_n = std::max(q_n, W.layers()[l].q_b.defined() ? W.layers()[l].q_b.n : 0);
+  }
+  w.q_in_ld = q_in_n;
+  const int64_t I = std::max<int64_t>(W.max_inter(), 1), k = std::max<int64_t>(d.top_k, 1);
+  w.x = buf<float>(T * H);
+  w.h = buf<float>(T * H);
+  w.aq = buf<float>(T * q_in_n);
+  w.akv = buf<float>(T * (R + P));
+  w.qc = buf<float>(T * d.q_lora);
+  w.q = buf<float>(T * q_n);
+  w.qlat = buf<float>(T * nh * (R + P));
+  w.olat = buf<float>(T * nh * R);
+  w.v = buf<float>(T * nh * d.dv);
+  w.out = buf<float>(T * H);
+  const int64_t pairs = std::max(T * k, T);
+  w.g = buf<float>(std::max(pairs * 2 * I, 2 * T * H));
+  w.u = buf<float>(pairs * I);
+  w.act = buf<float>(pairs * I);
+  w.gs = buf<float>(T * I * 2);
+  w.us = buf<float>(T * I * 2);
+  w.acts = buf<float>(T * I * 2);
+  w.logits = buf<float>(T * std::max<int64_t>(d.experts, 1));
+  w.wts = buf<float>(T * k);
+  w.idx = buf<int32_t>(T * k);
+  std::vector<at::Tensor> cache_list(caches.begin(), caches.end());
+  const int64_t scratch_floats = W.max_scratch() + 64;
+  const int nt = at::get_num_threads();
+  std::vector<std::unique_ptr<float[]>> scratch(nt), att(nt);
+  for (int i = 0; i < nt; ++i) {
+    scratch[i] = buf<float>(scratch_floats + T * H);
+    att[i] = buf<float>(nh * (b.max_ctx + 2));
+  }
+  Forward f{W, d, b, w, cache_list, scratch_floats};
+  const float* emb_f = static_cast<const float*>(W.embed().p);
+  const c10::BFloat16* emb_b = static_cast<const c10::BFloat16*>(W.embed().p);
+  const int64_t* tok = ids.data_ptr<int64_t>();
+  run_team(nt, [&](Team& tm) {
+    float* sc = scratch[tm.rank()].get();
+    float* at_sc = att[tm.rank()].get();
+    {
+      const auto [t0, t1] = tm.split(T);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (W.embed().type == cpu::kBF16) {
+          for (int64_t i = 0; i < H; ++i) w.x[t * H + i] = static_cast<float>(emb_b[tok[t] * H + i]);
+        } else {
+          std::memcpy(w.x.get() + t * H, emb_f + tok[t] * H, sizeof(float) * H);
+        }
+      }
+    }
+    tm.sync();
+    for (int64_t l = 0; l < num_layers; ++l)
+      f.layer(tm, W.layers()[first_layer + l], cache_list[l], mtp ? hid.data_ptr<float>() : nullptr, sc, at_sc);
+    const auto [t0, t1] = tm.split(T);
+    if (t1 > t0) {
+      if (final_norm) {
+        K().rms_norm(w.x.get() + t0 * H, H, t1 - t0, H, W.final_norm().p, W.final_norm().type, d.eps,
+                     out.data_ptr<float>() + t0 * H, H);
+      } else {
+        std::memcpy(out.data_ptr<float>() + t0 * H, w.x.get() + t0 * H, sizeof(float) * (t1 - t0) * H);
+      }
+    }
+  });
+  return out;
+}
+
+// logits [T, vocab] fp32 = hidden [T, H] @ lm_head^T, with the batch-invariant kernel and the thread team.
+at::Tensor decode_logits_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& hidden) {
+  const DecodeWeights& W = *weights;
+  const Mat& M = W.lm_head();
+  TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == M.k, "decode_logits: hidden must be [T, ", M.k, "]");
+  const at::Tensor x = hidden.to(at::kFloat).contiguous();
+  const int64_t T = x.size(0);
+  at::Tensor y = at::empty({T, M.n}, x.options());
+  if (T == 0) return y;
+  const int nt = at::get_num_threads();
+  std::vector<std::unique_ptr<float[]>> scratch(nt);
+  for (int i = 0; i < nt; ++i) scratch[i] = buf<float>(cpu::gemm_scratch(M) + 64);
+  const Rows X{x.data_ptr<float>(), M.k, nullptr, T};
+  run_team(nt, [&](Team& tm) {
+    const auto [n0, n1] = tm.split(M.n, cpu::gemm_align(M));
+    K().gemm(M, X, n0, n1, y.data_ptr<float>(), M.n, scratch[tm.rank()].get());
+  });
+  return y;
+}
+
+// One matrix of any layout / format applied to x [T, k] -> y [T, n] fp32 (the same kernels as the forward):
+// the quantized linears' CPU path and the kernels' parity tests.
+at::Tensor mat_gemm_cpu(const at::Tensor& x, const at::Tensor& data, const std::optional<at::Tensor>& scale,
+                        const std::optional<at::Tensor>& gscale, const std::optional<at::Tensor>& bias, int64_t layout,
+                        int64_t fmt, int64_t n, int64_t k, int64_t scale_r0, double gscale2) {
+  c10::Dict<std::string, at::Tensor> t;
+  c10::Dict<std::string, int64_t> i;
+  c10::Dict<std::string, double> f;
+  t.insert("m.data", data);
+  if (scale.has_value() && scale->defined()) t.insert("m.scale", scale->contiguous());
+  if (gscale.has_value() && gscale->defined()) t.insert("m.gscale", *gscale);
+  if (bias.has_value() && bias->defined()) t.insert("m.bias", bias->to(at::kFloat).contiguous());
+  i.insert("m.layout", layout);
+  i.insert("m.fmt", fmt);
+  i.insert("m.n", n);
+  i.insert("m.k", k);
+  i.insert("m.scale_r0", scale_r0);
+  f.insert("m.gscale2", gscale2);
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "mat_gemm: x must be [T, ", k, "], got ", x.sizes());
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  int64_t bytes = 0;
+  const Mat M = parse_mat(t, i, f, "m", true, &bytes);
+  const int64_t T = xf.size(0);
+  at::Tensor y = at::empty({T, n}, xf.options());
+  if (T == 0) return y;
+  const int nt = at::get_num_threads();
+  std::vector<std::unique_ptr<float[]>> scratch(nt);
+  for (int r = 0; r < nt; ++r) scratch[r] = buf<float>(cpu::gemm_scratch(M) + 64);
+  const Rows X{xf.data_ptr<float>(), k, nullptr, T};
+  run_team(nt, [&](Team& tm) {
+    const auto [n0, n1] = tm.split(M.n, cpu::gemm_align(M));
+    K().gemm(M, X, n0, n1, y.data_ptr<float>(), n, scratch[tm.rank()].get());
+  });
   return y;
 }
 
@@ -477,7 +611,27 @@ at::Tensor linear_bi_cpu(const at::Tensor& x, const at::Tensor& w_packed, int64_
 
 extern "C" const char* mtp_core_cpu_isa() { return mtp_core::K().isa; }
 
-TORCH_LIBRARY_IMPL(mtp_core, CPU, m) {
-  m.impl("decode_forward", &mtp_core::decode_forward_cpu);
-  m.impl("linear_bi", &mtp_core::linear_bi_cpu);
+TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
+  // The model's weights for the native forward, built once (decode_weights.h; mtp_core/model/native_weights.py).
+  m.class_<mtp_core::DecodeWeights>("DecodeWeights")
+      .def(torch::init<c10::Dict<std::string, at::Tensor>, c10::Dict<std::string, int64_t>,
+                       c10::Dict<std::string, double>>())
+      .def("summary", &mtp_core::DecodeWeights::summary);
+  // Native CPU decode forward: embeds ids [T], runs layers [first_layer, first_layer + num_layers) over the
+  // paged latent caches (one per layer, written in place at slot_mapping; an MTP module's layer takes
+  // mtp_hidden [T, H]), optionally the final norm -> hidden [T, H] float32.
+  m.def(
+      "decode_forward(__torch__.torch.classes.mtp_core.DecodeWeights weights, int first_layer, int num_layers, "
+      "Tensor ids, Tensor? mtp_hidden, Tensor(a!)[] caches, Tensor rope_cos, Tensor rope_sin, Tensor positions, "
+      "Tensor slot_mapping, Tensor query_start, Tensor block_tables, Tensor seqlens, bool final_norm) -> Tensor");
+  // The LM head: hidden [T, H] -> logits [T, vocab] float32, batch-invariant.
+  m.def("decode_logits(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor hidden) -> Tensor");
+  // One matrix (layout kRows=0 / kCols=1 / kPanel=2, format f32=0 / bf16=1 / fp8=2 / nvfp4=3) applied to
+  // x [T, k] -> [T, n] float32, with the forward's kernels.
+  m.def(
+      "mat_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? gscale, Tensor? bias, int layout, int fmt, int n, "
+      "int k, int scale_r0, float gscale2) -> Tensor");
+  m.impl("decode_forward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_forward_cpu)));
+  m.impl("decode_logits", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_logits_cpu)));
+  m.impl("mat_gemm", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mat_gemm_cpu)));
 }

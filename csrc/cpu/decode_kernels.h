@@ -17,31 +17,71 @@
 namespace mtp_core {
 namespace cpu {
 
-enum WeightType : int { kF32 = 0, kBF16 = 1 };
+// Element formats of a weight matrix.
+//   kF32, kBF16  plain values.
+//   kFP8         DeepSeek FP8: e4m3 values, one fp32 scale per 128 x 128 block of the source tensor.
+//   kNVFP4       ModelOpt NVFP4: e2m1 codes two per byte, one e4m3 scale per 16 inputs, one global scale.
+enum Fmt : int { kF32 = 0, kBF16 = 1, kFP8 = 2, kNVFP4 = 3 };
+
+// Layouts of a weight matrix W [N outputs, K inputs].
+//   kRows   W row-major, row n at data + n * ld (the checkpoint's own layout: nn.Linear, FP8 block). NVFP4:
+//           ld bytes per row; within each chunk of 32 inputs byte j holds code j (low nibble) and code
+//           j + 16 (high nibble); a trailing chunk of 16 holds codes j and j + 8 (chunk-interleaved so that
+//           one 16-byte load decodes to two 16-input vectors; mtp_core/kernels/nvfp4_layout.py).
+//   kCols   W stored transposed, [K, N] row-major (input k's row at data + k * ld): y = x @ S for a
+//           stored S. Serves run-time MLA absorption (q_nope x W_UK reads kv_b_proj's rows in place).
+//   kPanel  W packed in 64-row panels, [ceil(N/64), K, 64] (rows past N zero): a repacked copy, used for
+//           small models whose matrices are too narrow for row-wise dot products to pay (f32/bf16).
+enum Layout : int { kRows = 0, kCols = 1, kPanel = 2 };
+
+struct Mat {
+  int layout = kRows, fmt = kF32;
+  int64_t n = 0, k = 0;             // outputs, inputs
+  const void* data = nullptr;
+  int64_t ld = 0;                   // kRows / kCols: elements (bytes for FP8 / NVFP4) between stored rows
+  const float* scale = nullptr;     // kFP8: the source tensor's block scales, each times 256
+  int64_t scale_ld = 0;             //       row stride of `scale`
+  int64_t scale_r0 = 0;             //       source row (kRows: of output 0; kCols: of input 0) within its block
+  const uint8_t* gscale = nullptr;  // kNVFP4: e4m3 scale per (output, 16 inputs), row stride gscale_ld
+  int64_t gscale_ld = 0;
+  float gscale2 = 1.f;              // kNVFP4: the global scale times 256
+  const float* bias = nullptr;      // [N] or null
+  bool defined() const { return data != nullptr; }
+};
+
+// Rows of X: X + t * ldx, or X + xrows[t] * ldx when xrows is set (a gather, e.g. the tokens of one expert).
+struct Rows {
+  const float* x;
+  int64_t ldx;
+  const int32_t* xrows;
+  int64_t T;
+};
 
 struct KernelTable {
   const char* isa;
-  // Y[t, n] = dot(X[t, :K], W[n, :K]) (+ bias[n]) for the outputs n of panels [p0, p1), t in [0, T).
-  // W [N, K] is packed in 64-row panels ([ceil(N/64), K, 64], zero rows past N; pack_weight() in
-  // mtp_core/model/native_decode.py) in wtype; bias fp32 or null; X fp32 with row stride ldx, Y ldy.
-  void (*gemm)(const float* X, int64_t ldx, int64_t T, const void* W, int wtype, int64_t K, int64_t N, int64_t p0,
-               int64_t p1, float* Y, int64_t ldy, const float* bias);
+  // Y[t * ldy + n] = dot(X_t, W[n, :]) (+ bias[n]) for n in [n0, n1) and t < T. n0 must be a multiple of the
+  // layout's granularity (gemm_align). scratch: at least gemm_scratch(W) floats (kRows with T > 4 decodes
+  // each tile of rows once into it). Bitwise the same for any T, any [n0, n1) split and any thread.
+  void (*gemm)(const Mat& W, const Rows& X, int64_t n0, int64_t n1, float* Y, int64_t ldy, float* scratch);
   // y = w * (x * 1/sqrt(mean(x^2) + eps)) for each of `rows` rows of `dim` (strides ldx, ldy); w in wtype.
   void (*rms_norm)(const float* x, int64_t ldx, int64_t rows, int64_t dim, const void* w, int wtype, float eps,
                    float* y, int64_t ldy);
-  // a[i] = silu(g[i]) * u[i] for each row: g = h[:, :I], u = h[:, I:2I] (row stride ldh), a row stride lda.
-  void (*silu_mul)(const float* h, int64_t ldh, int64_t rows, int64_t inter, float* a, int64_t lda);
+  // a[i] = silu(g[i]) * u[i] for i < n.
+  void (*silu_mul)(const float* g, const float* u, int64_t n, float* a);
   // y[i] = 1 / (1 + exp(-x[i]))
   void (*sigmoid)(const float* x, int64_t n, float* y);
-  // Varlen causal attention over a paged latent cache, one (query token, head) row at a time:
-  //   q [T, H, D] fp32 (D = R + P, already roped), cache [blocks, page, D] in ctype,
-  //   row b owns tokens [qstart[b], qstart[b+1]) and sees keys [0, ctx[b] - nq_b + i] for its i-th token;
-  //   out [T, H, R] fp32. scores = q.k * scale; out = softmax(scores) @ c_kv (the latent part of the key).
-  void (*attention)(const float* q, int64_t T, int64_t H, int64_t R, int64_t P, const void* cache, int ctype,
-                    int64_t page, const int32_t* tables, int64_t max_blocks, const int32_t* qstart,
-                    const int32_t* ctx, int64_t B, int64_t b0, int64_t b1, float scale, float* out,
+  // Varlen causal attention over a paged latent cache for heads [h0, h1) of query token t (row b, i-th
+  // query of that row): q [T, H, D] fp32 (D = R + P, already roped), cache [blocks, page, D] in ctype
+  // (kF32 / kBF16); the token sees keys 0 .. visible-1 through `table`; out [T, H, R] fp32.
+  // scores = q.k * scale; out = softmax(scores) @ c_kv (the latent part of the key). scratch: H * (visible + 1).
+  void (*attention)(const float* q_t, int64_t H, int64_t h0, int64_t h1, int64_t R, int64_t P, const void* cache,
+                    int ctype, int64_t page, const int32_t* table, int64_t visible, float scale, float* out_t,
                     float* scratch);
 };
+
+// Output granularity of a layout (n0 of a split must be a multiple of it), and gemm's scratch need.
+inline int64_t gemm_align(const Mat& W) { return W.layout == kPanel ? 64 : W.layout == kCols ? 64 : 8; }
+inline int64_t gemm_scratch(const Mat& W) { return W.layout == kRows ? 8 * (W.k + 32) : 0; }
 
 const KernelTable* kernels_avx512();
 const KernelTable* kernels_avx2();

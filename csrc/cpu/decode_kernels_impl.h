@@ -20,6 +20,21 @@ namespace {
 
 constexpr int kLanes = 16;
 
+// The value of an e4m3 byte (float8_e4m3fn; 0x7F / 0xFF, its NaNs, never occur in weights and decode to 480).
+constexpr float e4m3_value(int b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  float mag = e == 0 ? static_cast<float>(m) / 512.0f : static_cast<float>(8 + m) / 1024.0f;
+  for (int i = 0; i < e; ++i) mag *= 2.0f;   // exact: powers of two
+  return (b & 0x80) ? -mag : mag;
+}
+struct E4m3Table {
+  float v[256];
+  constexpr E4m3Table() : v() {
+    for (int b = 0; b < 256; ++b) v[b] = e4m3_value(b);
+  }
+};
+constexpr E4m3Table kE4m3{};
+
 #if defined(MTP_ISA_AVX512)
 struct VF {
   __m512 v;
@@ -87,6 +102,35 @@ inline VF vexp(VF x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return {_mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), p, n)};
+}
+// e4m3 -> fp16 bits of (value / 256), exactly (denormals included): sign-extend each byte to 16 bits, shift
+// its 7 magnitude bits to the fp16 exponent/mantissa position and clear the copy of the sign that lands in
+// the exponent's top bit (fp16's exponent bias is 8 above e4m3's, hence the 1/256).
+inline VF fp8_from_words(__m256i w) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  return {_mm512_cvtph_ps(h)};
+}
+inline VF vload_fp8(const uint8_t* p) {
+  return fp8_from_words(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline VF vload_fp8_n(const uint8_t* p, int64_t n) {
+  return fp8_from_words(_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(tail_mask(n), p)));
+}
+inline __m512 e2m1_lut() {
+  return _mm512_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
+}
+// NVFP4, 16 bytes: lo = the 16 low nibbles' values, hi = the 16 high nibbles' values (e2m1, exact).
+inline void vload_nvfp4_32(const uint8_t* p, VF& lo, VF& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512 lut = e2m1_lut();
+  lo = {_mm512_permutexvar_ps(b, lut)};
+  hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut)};
+}
+// NVFP4, 8 bytes: lanes 0..7 the low nibbles, lanes 8..15 the high nibbles.
+inline VF vload_nvfp4_16(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m512i i = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi32(b, 4), 1);
+  return {_mm512_permutexvar_ps(i, e2m1_lut())};
 }
 #else
 struct VF {
@@ -179,6 +223,35 @@ inline void vhsum4(VF a, VF b, VF c, VF d, float* out) {
   out[2] = vhsum(c);
   out[3] = vhsum(d);
 }
+inline float e2m1_value(int code) {
+  static const float kLut[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  return kLut[code & 15];
+}
+inline VF vload_fp8(const uint8_t* p) {
+  VF r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = kE4m3.v[p[i]] * (1.0f / 256.0f);
+  return r;
+}
+inline VF vload_fp8_n(const uint8_t* p, int64_t n) {
+  VF r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? kE4m3.v[p[i]] * (1.0f / 256.0f) : 0.f;
+  return r;
+}
+inline void vload_nvfp4_32(const uint8_t* p, VF& lo, VF& hi) {
+  for (int i = 0; i < kLanes; ++i) {
+    lo.v[i] = e2m1_value(p[i]);
+    hi.v[i] = e2m1_value(p[i] >> 4);
+  }
+}
+inline VF vload_nvfp4_16(const uint8_t* p) {
+  VF r;
+  for (int i = 0; i < 8; ++i) {
+    r.v[i] = e2m1_value(p[i]);
+    r.v[i + 8] = e2m1_value(p[i] >> 4);
+  }
+  return r;
+}
 #endif
 
 template <typename WT>
@@ -186,24 +259,310 @@ inline VF wload(const WT* p, int64_t n) {
   return n >= kLanes ? vload(p) : vload_n(p, n);
 }
 
-// ---- GEMM over a packed weight ------------------------------------------------------------------
-// W [N, K] is packed in panels of kPanel = 64 output rows: panel p holds W[64p .. 64p+63, k] for
-// k = 0..K-1 as K consecutive runs of 64 values (rows past N are zero). A register tile is TT tokens x
-// 64 outputs (4 vectors); each output is one chain of fused multiply-adds over k = 0..K-1, so its
-// rounding depends on K alone: not on T, on the tile, or on the thread.
-constexpr int64_t kPanel = 64;
 
-template <typename WT, int TT>
-inline void packed_tile(const float* X, int64_t ldx, const WT* P, int64_t K, float* Y, int64_t ldy,
-                        const float* bias, int64_t n, int64_t N) {
+// ---- weight decoding: 32 inputs of one stored row --------------------------------------------------
+// Row-wise formats hand out the inputs [32j, 32j + 32) of one row as two vectors of their real values (FP8:
+// times its block scale; NVFP4: times its group scales, the global scale comes in the epilogue); tail2 the
+// last, partial chunk (`left` < 32 inputs valid, lanes past it zero). Every path that reads a weight goes
+// through these, so a weight has one value in every kernel.
+template <int FMT>
+struct RowDec;
+
+template <>
+struct RowDec<kF32> {
+  static void get2(const Mat& W, int64_t n, int64_t j, VF& a, VF& b) {
+    const float* p = static_cast<const float*>(W.data) + n * W.ld + 32 * j;
+    a = vload(p);
+    b = vload(p + 16);
+  }
+  static void tail2(const Mat& W, int64_t n, int64_t j, int64_t left, VF& a, VF& b) {
+    const float* p = static_cast<const float*>(W.data) + n * W.ld + 32 * j;
+    a = wload(p, left);
+    b = left > 16 ? vload_n(p + 16, left - 16) : vzero();
+  }
+};
+template <>
+struct RowDec<kBF16> {
+  static void get2(const Mat& W, int64_t n, int64_t j, VF& a, VF& b) {
+    const uint16_t* p = static_cast<const uint16_t*>(W.data) + n * W.ld + 32 * j;
+    a = vload(p);
+    b = vload(p + 16);
+  }
+  static void tail2(const Mat& W, int64_t n, int64_t j, int64_t left, VF& a, VF& b) {
+    const uint16_t* p = static_cast<const uint16_t*>(W.data) + n * W.ld + 32 * j;
+    a = wload(p, left);
+    b = left > 16 ? vload_n(p + 16, left - 16) : vzero();
+  }
+};
+template <>
+struct RowDec<kFP8> {
+  static VF scale(const Mat& W, int64_t n, int64_t j) {
+    return vset1(W.scale[((W.scale_r0 + n) >> 7) * W.scale_ld + ((32 * j) >> 7)]);
+  }
+  static void get2(const Mat& W, int64_t n, int64_t j, VF& a, VF& b) {
+    const uint8_t* p = static_cast<const uint8_t*>(W.data) + n * W.ld + 32 * j;
+    const VF s = scale(W, n, j);
+    a = vmul(vload_fp8(p), s);
+    b = vmul(vload_fp8(p + 16), s);
+  }
+  static void tail2(const Mat& W, int64_t n, int64_t j, int64_t left, VF& a, VF& b) {
+    const uint8_t* p = static_cast<const uint8_t*>(W.data) + n * W.ld + 32 * j;
+    const VF s = scale(W, n, j);
+    a = vmul(left >= 16 ? vload_fp8(p) : vload_fp8_n(p, left), s);
+    b = left > 16 ? vmul(vload_fp8_n(p + 16, left - 16), s) : vzero();
+  }
+};
+template <>
+struct RowDec<kNVFP4> {
+  // chunk-interleaved codes (decode_kernels.h): inputs [32j, 32j + 32) are 16 bytes, low nibbles the first
+  // 16 inputs, high nibbles the next 16; a trailing [32j, 32j + 16) is 8 bytes (low: 8 inputs, high: 8).
+  static void get2(const Mat& W, int64_t n, int64_t j, VF& a, VF& b) {
+    const uint8_t* p = static_cast<const uint8_t*>(W.data) + n * W.ld + 16 * j;
+    const uint8_t* g = W.gscale + n * W.gscale_ld + 2 * j;
+    vload_nvfp4_32(p, a, b);
+    a = vmul(a, vset1(kE4m3.v[g[0]]));
+    b = vmul(b, vset1(kE4m3.v[g[1]]));
+  }
+  static void tail2(const Mat& W, int64_t n, int64_t j, int64_t left, VF& a, VF& b) {
+    (void)left;   // K is a multiple of 16: the tail is exactly 16 inputs
+    const uint8_t* p = static_cast<const uint8_t*>(W.data) + n * W.ld + 16 * j;
+    a = vmul(vload_nvfp4_16(p), vset1(kE4m3.v[W.gscale[n * W.gscale_ld + 2 * j]]));
+    b = vzero();
+  }
+};
+
+// ---- row-wise GEMM: each output one dot product over its stored row --------------------------------
+// A register tile is R rows x TT tokens of 16-lane partial sums; lane l of an output accumulates inputs
+// l, l + 16, l + 32, ... in order (one FMA chain), and the 16 lanes are summed by a fixed tree at the end,
+// so an output's rounding depends on K alone.
+template <int TT>
+struct XPtrs {
+  const float* p[TT];
+  XPtrs(const Rows& X, int64_t t0) {
+    for (int t = 0; t < TT; ++t) p[t] = X.x + (X.xrows ? X.xrows[t0 + t] : t0 + t) * X.ldx;
+  }
+};
+
+// Sums of the R x TT accumulators (a fixed tree each, four at a time), times `post`, plus the bias.
+template <int R, int TT>
+inline void store_tile(VF (&acc)[R][TT], const Mat& W, int64_t n, int64_t t0, float* Y, int64_t ldy, float post) {
+  for (int t = 0; t < TT; ++t)
+    for (int r = 0; r < R; r += 4) {
+      float s4[4];
+      vhsum4(acc[r][t], r + 1 < R ? acc[r + 1][t] : vzero(), r + 2 < R ? acc[r + 2][t] : vzero(),
+             r + 3 < R ? acc[r + 3][t] : vzero(), s4);
+      for (int i = 0; i < 4 && r + i < R; ++i) {
+        const float y = s4[i] * post;
+        Y[(t0 + t) * ldy + n + r + i] = W.bias ? y + W.bias[n + r + i] : y;
+      }
+    }
+}
+
+template <int FMT, int R, int TT>
+inline void rows_tile(const Mat& W, const Rows& X, int64_t t0, int64_t n, float* Y, int64_t ldy, float post) {
+  VF acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
+  const XPtrs<TT> xp(X, t0);
+  const int64_t K = W.k, full = K / 32, left = K - 32 * full;
+  for (int64_t j = 0; j < full; ++j) {
+    VF w0[R], w1[R];
+    for (int r = 0; r < R; ++r) RowDec<FMT>::get2(W, n + r, j, w0[r], w1[r]);
+    for (int t = 0; t < TT; ++t) {
+      const VF x0 = vload(xp.p[t] + 32 * j), x1 = vload(xp.p[t] + 32 * j + 16);
+      for (int r = 0; r < R; ++r) acc[r][t] = vfma(w1[r], x1, vfma(w0[r], x0, acc[r][t]));
+    }
+  }
+  if (left) {   // the same FMA chain continues over the last one or two (masked) vectors
+    VF w0[R], w1[R];
+    for (int r = 0; r < R; ++r) RowDec<FMT>::tail2(W, n + r, full, left, w0[r], w1[r]);
+    for (int t = 0; t < TT; ++t) {
+      const VF x0 = wload(xp.p[t] + 32 * full, left);
+      for (int r = 0; r < R; ++r) acc[r][t] = vfma(w0[r], x0, acc[r][t]);
+      if (left > 16) {
+        const VF x1 = vload_n(xp.p[t] + 32 * full + 16, left - 16);
+        for (int r = 0; r < R; ++r) acc[r][t] = vfma(w1[r], x1, acc[r][t]);
+      }
+    }
+  }
+  store_tile<R, TT>(acc, W, n, t0, Y, ldy, post);
+}
+
+// Rows already decoded into fp32 (scratch, row stride `ld`, zeros past K): the same FMA chains as rows_tile.
+struct DecodedRows {
+  const float* rows;   // [R, ld] fp32, row 0 = output n0
+  int64_t ld, n0;
+};
+
+template <int R, int TT>
+inline void decoded_tile(const DecodedRows& D, const Mat& W, const Rows& X, int64_t t0, int64_t n, float* Y,
+                         int64_t ldy, float post) {
+  VF acc[R][TT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
+  const XPtrs<TT> xp(X, t0);
+  const int64_t K = W.k, full = K / 16, left = K - 16 * full;
+  const float* wr = D.rows + (n - D.n0) * D.ld;
+  for (int64_t c = 0; c < full; ++c) {
+    VF w[R];
+    for (int r = 0; r < R; ++r) w[r] = vload(wr + r * D.ld + 16 * c);
+    for (int t = 0; t < TT; ++t) {
+      const VF x = vload(xp.p[t] + 16 * c);
+      for (int r = 0; r < R; ++r) acc[r][t] = vfma(w[r], x, acc[r][t]);
+    }
+  }
+  if (left) {
+    VF w[R];
+    for (int r = 0; r < R; ++r) w[r] = vload(wr + r * D.ld + 16 * full);
+    for (int t = 0; t < TT; ++t) {
+      const VF x = vload_n(xp.p[t] + 16 * full, left);
+      for (int r = 0; r < R; ++r) acc[r][t] = vfma(w[r], x, acc[r][t]);
+    }
+  }
+  store_tile<R, TT>(acc, W, n, t0, Y, ldy, post);
+}
+
+template <int FMT, int R>
+inline void rows_tokens(const Mat& W, const Rows& X, int64_t n, float* Y, int64_t ldy, float post) {
+  int64_t t = 0;
+  for (; t + 4 <= X.T; t += 4) rows_tile<FMT, R, 4>(W, X, t, n, Y, ldy, post);
+  switch (X.T - t) {
+    case 3: rows_tile<FMT, R, 3>(W, X, t, n, Y, ldy, post); break;
+    case 2: rows_tile<FMT, R, 2>(W, X, t, n, Y, ldy, post); break;
+    case 1: rows_tile<FMT, R, 1>(W, X, t, n, Y, ldy, post); break;
+    default: break;
+  }
+}
+
+template <int R>
+inline void decoded_tokens(const DecodedRows& D, const Mat& W, const Rows& X, int64_t n, float* Y, int64_t ldy,
+                           float post) {
+  int64_t t = 0;
+  for (; t + 4 <= X.T; t += 4) decoded_tile<R, 4>(D, W, X, t, n, Y, ldy, post);
+  switch (X.T - t) {
+    case 3: decoded_tile<R, 3>(D, W, X, t, n, Y, ldy, post); break;
+    case 2: decoded_tile<R, 2>(D, W, X, t, n, Y, ldy, post); break;
+    case 1: decoded_tile<R, 1>(D, W, X, t, n, Y, ldy, post); break;
+    default: break;
+  }
+}
+
+template <int FMT>
+void gemm_rows(const Mat& W, const Rows& X, int64_t n0, int64_t n1, float* Y, int64_t ldy, float* scratch) {
+  const float post = FMT == kNVFP4 ? W.gscale2 : 1.f;
+  if (X.T == 1) {   // decode: 8 rows in flight, each weight read once
+    int64_t n = n0;
+    for (; n + 8 <= n1; n += 8) rows_tile<FMT, 8, 1>(W, X, 0, n, Y, ldy, post);
+    for (; n < n1; ++n) rows_tile<FMT, 1, 1>(W, X, 0, n, Y, ldy, post);
+    return;
+  }
+  if (X.T <= 4 || FMT == kF32) {   // verify rows: every decoded weight serves all T tokens in registers
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) rows_tokens<FMT, 4>(W, X, n, Y, ldy, post);
+    for (; n < n1; ++n) rows_tokens<FMT, 1>(W, X, n, Y, ldy, post);
+    return;
+  }
+  // many tokens (prefill): decode each tile of 4 rows once into fp32, then run every token over it
+  const int64_t ld = (W.k + 31) / 32 * 32, full = W.k / 32, left = W.k - 32 * full;
+  for (int64_t n = n0; n < n1; n += 4) {
+    const int64_t R = n1 - n < 4 ? n1 - n : 4;
+    for (int64_t r = 0; r < R; ++r) {
+      float* row = scratch + r * ld;
+      VF a, b;
+      for (int64_t j = 0; j < full; ++j) {
+        RowDec<FMT>::get2(W, n + r, j, a, b);
+        vstore(row + 32 * j, a);
+        vstore(row + 32 * j + 16, b);
+      }
+      if (left) {
+        RowDec<FMT>::tail2(W, n + r, full, left, a, b);
+        vstore(row + 32 * full, a);
+        vstore(row + 32 * full + 16, b);
+      }
+    }
+    const DecodedRows D{scratch, ld, n};
+    if (R == 4) {
+      decoded_tokens<4>(D, W, X, n, Y, ldy, post);
+    } else {
+      for (int64_t r = 0; r < R; ++r) decoded_tokens<1>(D, W, X, n + r, Y, ldy, post);
+    }
+  }
+}
+
+// ---- column-wise GEMM (kCols): y = x @ S, S [K, N] row-major ----------------------------------------
+// A tile is TT tokens x 64 outputs; each output one FMA chain over k = 0..K-1 (as the panel GEMM).
+template <int FMT>
+inline VF col_load(const Mat& W, int64_t k, int64_t col, int64_t left) {
+  if (FMT == kF32) return wload(static_cast<const float*>(W.data) + k * W.ld + col, left);
+  if (FMT == kBF16) return wload(static_cast<const uint16_t*>(W.data) + k * W.ld + col, left);
+  const uint8_t* p = static_cast<const uint8_t*>(W.data) + k * W.ld + col;
+  return left >= kLanes ? vload_fp8(p) : vload_fp8_n(p, left);
+}
+
+template <int FMT, int TT>
+inline void cols_tile(const Mat& W, const Rows& X, int64_t t0, int64_t n, float* Y, int64_t ldy) {
   VF acc[TT][4];
   for (int t = 0; t < TT; ++t)
     for (int j = 0; j < 4; ++j) acc[t][j] = vzero();
+  const XPtrs<TT> xp(X, t0);
+  const int64_t nv = W.n - n < 64 ? W.n - n : 64;
+  const int nc = static_cast<int>((nv + kLanes - 1) / kLanes);
+  for (int64_t k = 0; k < W.k; ++k) {
+    VF w[4];
+    for (int j = 0; j < 4; ++j) w[j] = j < nc ? col_load<FMT>(W, k, n + 16 * j, nv - 16 * j) : vzero();
+    if (FMT == kFP8) {
+      const VF s = vset1(W.scale[((W.scale_r0 + k) >> 7) * W.scale_ld + (n >> 7)]);
+      for (int j = 0; j < 4; ++j) w[j] = vmul(w[j], s);
+    }
+    for (int t = 0; t < TT; ++t) {
+      const VF x = vset1(xp.p[t][k]);
+      for (int j = 0; j < 4; ++j) acc[t][j] = vfma(w[j], x, acc[t][j]);
+    }
+  }
+  for (int j = 0; j < nc; ++j) {
+    const int64_t col = n + 16 * j, left = nv - 16 * j;
+    const VF b = W.bias ? wload(W.bias + col, left) : vzero();
+    for (int t = 0; t < TT; ++t) {
+      const VF y = W.bias ? vadd(acc[t][j], b) : acc[t][j];
+      float* out = Y + (t0 + t) * ldy + col;
+      if (left >= kLanes) vstore(out, y); else vstore_n(out, y, left);
+    }
+  }
+}
+
+template <int FMT>
+void gemm_cols(const Mat& W, const Rows& X, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; n += 64) {
+    int64_t t = 0;
+    for (; t + 4 <= X.T; t += 4) cols_tile<FMT, 4>(W, X, t, n, Y, ldy);
+    switch (X.T - t) {
+      case 3: cols_tile<FMT, 3>(W, X, t, n, Y, ldy); break;
+      case 2: cols_tile<FMT, 2>(W, X, t, n, Y, ldy); break;
+      case 1: cols_tile<FMT, 1>(W, X, t, n, Y, ldy); break;
+      default: break;
+    }
+  }
+}
+
+// ---- GEMM over 64-row panels (kPanel) ---------------------------------------------------------------
+// W [N, K] packed in panels of kPanel = 64 output rows: panel p holds W[64p .. 64p+63, k] for k = 0..K-1
+// as K consecutive runs of 64 values (rows past N are zero). A register tile is TT tokens x 64 outputs
+// (4 vectors); each output is one chain of fused multiply-adds over k = 0..K-1, so its rounding depends
+// on K alone: not on T, on the tile, or on the thread.
+constexpr int64_t kPanelRows = 64;
+
+template <typename WT, int TT>
+inline void packed_tile(const Rows& X, int64_t t0, const WT* P, int64_t K, float* Y, int64_t ldy, const float* bias,
+                        int64_t n, int64_t N) {
+  VF acc[TT][4];
+  for (int t = 0; t < TT; ++t)
+    for (int j = 0; j < 4; ++j) acc[t][j] = vzero();
+  const XPtrs<TT> xp(X, t0);
   for (int64_t k = 0; k < K; ++k) {
-    const WT* row = P + k * kPanel;
+    const WT* row = P + k * kPanelRows;
     const VF w0 = vload(row), w1 = vload(row + 16), w2 = vload(row + 32), w3 = vload(row + 48);
     for (int t = 0; t < TT; ++t) {
-      const VF x = vset1(X[t * ldx + k]);
+      const VF x = vset1(xp.p[t][k]);
       acc[t][0] = vfma(w0, x, acc[t][0]);
       acc[t][1] = vfma(w1, x, acc[t][1]);
       acc[t][2] = vfma(w2, x, acc[t][2]);
@@ -216,34 +575,46 @@ inline void packed_tile(const float* X, int64_t ldx, const WT* P, int64_t K, flo
     const VF b = bias ? (left >= kLanes ? vload(bias + col) : vload_n(bias + col, left)) : vzero();
     for (int t = 0; t < TT; ++t) {
       const VF y = bias ? vadd(acc[t][j], b) : acc[t][j];
-      if (left >= kLanes) vstore(Y + t * ldy + col, y); else vstore_n(Y + t * ldy + col, y, left);
+      float* out = Y + (t0 + t) * ldy + col;
+      if (left >= kLanes) vstore(out, y); else vstore_n(out, y, left);
     }
   }
 }
 
 template <typename WT>
-void gemm_typed(const float* X, int64_t ldx, int64_t T, const WT* W, int64_t K, int64_t N, int64_t p0, int64_t p1,
-                float* Y, int64_t ldy, const float* bias) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const WT* P = W + p * K * kPanel;
-    const int64_t n = p * kPanel;
+void gemm_panels(const Mat& W, const Rows& X, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  const WT* base = static_cast<const WT*>(W.data);
+  for (int64_t p = n0 / kPanelRows; p * kPanelRows < n1; ++p) {
+    const WT* P = base + p * W.k * kPanelRows;
+    const int64_t n = p * kPanelRows;
     int64_t t = 0;
-    for (; t + 4 <= T; t += 4) packed_tile<WT, 4>(X + t * ldx, ldx, P, K, Y + t * ldy, ldy, bias, n, N);
-    switch (T - t) {
-      case 3: packed_tile<WT, 3>(X + t * ldx, ldx, P, K, Y + t * ldy, ldy, bias, n, N); break;
-      case 2: packed_tile<WT, 2>(X + t * ldx, ldx, P, K, Y + t * ldy, ldy, bias, n, N); break;
-      case 1: packed_tile<WT, 1>(X + t * ldx, ldx, P, K, Y + t * ldy, ldy, bias, n, N); break;
+    for (; t + 4 <= X.T; t += 4) packed_tile<WT, 4>(X, t, P, W.k, Y, ldy, W.bias, n, W.n);
+    switch (X.T - t) {
+      case 3: packed_tile<WT, 3>(X, t, P, W.k, Y, ldy, W.bias, n, W.n); break;
+      case 2: packed_tile<WT, 2>(X, t, P, W.k, Y, ldy, W.bias, n, W.n); break;
+      case 1: packed_tile<WT, 1>(X, t, P, W.k, Y, ldy, W.bias, n, W.n); break;
       default: break;
     }
   }
 }
 
-void gemm(const float* X, int64_t ldx, int64_t T, const void* W, int wtype, int64_t K, int64_t N, int64_t p0,
-          int64_t p1, float* Y, int64_t ldy, const float* bias) {
-  if (wtype == kBF16) {
-    gemm_typed(X, ldx, T, static_cast<const uint16_t*>(W), K, N, p0, p1, Y, ldy, bias);
+void gemm(const Mat& W, const Rows& X, int64_t n0, int64_t n1, float* Y, int64_t ldy, float* scratch) {
+  if (X.T == 0 || n1 <= n0) return;
+  if (W.layout == kPanel) {
+    if (W.fmt == kBF16) gemm_panels<uint16_t>(W, X, n0, n1, Y, ldy); else gemm_panels<float>(W, X, n0, n1, Y, ldy);
+  } else if (W.layout == kCols) {
+    switch (W.fmt) {
+      case kBF16: gemm_cols<kBF16>(W, X, n0, n1, Y, ldy); break;
+      case kFP8: gemm_cols<kFP8>(W, X, n0, n1, Y, ldy); break;
+      default: gemm_cols<kF32>(W, X, n0, n1, Y, ldy); break;
+    }
   } else {
-    gemm_typed(X, ldx, T, static_cast<const float*>(W), K, N, p0, p1, Y, ldy, bias);
+    switch (W.fmt) {
+      case kBF16: gemm_rows<kBF16>(W, X, n0, n1, Y, ldy, scratch); break;
+      case kFP8: gemm_rows<kFP8>(W, X, n0, n1, Y, ldy, scratch); break;
+      case kNVFP4: gemm_rows<kNVFP4>(W, X, n0, n1, Y, ldy, scratch); break;
+      default: gemm_rows<kF32>(W, X, n0, n1, Y, ldy, scratch); break;
+    }
   }
 }
 
@@ -278,19 +649,14 @@ void rms_norm(const float* x, int64_t ldx, int64_t rows, int64_t dim, const void
   }
 }
 
-void silu_mul(const float* h, int64_t ldh, int64_t rows, int64_t inter, float* a, int64_t lda) {
+void silu_mul(const float* g, const float* u, int64_t n, float* a) {
   const VF one = vset1(1.0f), zero = vzero();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* g = h + r * ldh;
-    const float* u = g + inter;
-    float* out = a + r * lda;
-    for (int64_t k = 0; k < inter; k += kLanes) {
-      const int64_t left = inter - k;
-      const VF gv = wload(g + k, left);
-      const VF s = vdiv(gv, vadd(one, vexp(vsub(zero, gv))));
-      const VF o = vmul(s, wload(u + k, left));
-      if (left >= kLanes) vstore(out + k, o); else vstore_n(out + k, o, left);
-    }
+  for (int64_t k = 0; k < n; k += kLanes) {
+    const int64_t left = n - k;
+    const VF gv = wload(g + k, left);
+    const VF s = vdiv(gv, vadd(one, vexp(vsub(zero, gv))));
+    const VF o = vmul(s, wload(u + k, left));
+    if (left >= kLanes) vstore(a + k, o); else vstore_n(a + k, o, left);
   }
 }
 
@@ -382,86 +748,75 @@ inline void attn_scores(const float* q, int64_t D, const CT* cache, const int32_
 }
 
 template <typename CT>
-void attention_typed(const float* q, int64_t H, int64_t R, int64_t P, const CT* cache, int64_t page,
-                     const int32_t* tables, int64_t max_blocks, const int32_t* qstart, const int32_t* ctx,
-                     int64_t b0, int64_t b1, float scale, float* out, float* scores) {
+void attention_typed(const float* qt, int64_t H, int64_t h0, int64_t h1, int64_t R, int64_t P, const CT* cache,
+                     int64_t page, const int32_t* table, int64_t visible, float scale, float* ot, float* scores) {
   const int64_t D = R + P;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int32_t* table = tables + b * max_blocks;
-    const int64_t nq = qstart[b + 1] - qstart[b];
-    for (int64_t i = 0; i < nq; ++i) {
-      const int64_t t = qstart[b] + i;
-      const int64_t visible = ctx[b] - nq + i + 1;
-      const float* qt = q + t * H * D;
-      float* ot = out + t * H * R;
-      float* inv = scores + H * visible;   // [H] after the scores
-      if (visible <= 0) {
-        for (int64_t d = 0; d < H * R; ++d) ot[d] = 0.f;
-        continue;
+  (void)H;
+  if (visible <= 0) {
+    for (int64_t d = h0 * R; d < h1 * R; ++d) ot[d] = 0.f;
+    return;
+  }
+  const int64_t nh = h1 - h0;
+  float* inv = scores + nh * visible;   // [nh] after the scores
+  // scores[h, j] = q_h . k_j * scale: up to 4 heads against one key at a time (independent chains)
+  for (int64_t g = 0; g < nh; g += 4) {
+    float* sh = scores + g * visible;
+    const float* qh = qt + (h0 + g) * D;
+    switch (nh - g < 4 ? nh - g : 4) {
+      case 4: attn_scores<CT, 4>(qh, D, cache, table, page, visible, scale, sh); break;
+      case 3: attn_scores<CT, 3>(qh, D, cache, table, page, visible, scale, sh); break;
+      case 2: attn_scores<CT, 2>(qh, D, cache, table, page, visible, scale, sh); break;
+      default: attn_scores<CT, 1>(qh, D, cache, table, page, visible, scale, sh); break;
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    float* s = scores + h * visible;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j + kLanes <= visible; j += kLanes) {
+      const float c = vhmax(vload(s + j));
+      mx = c > mx ? c : mx;
+    }
+    for (int64_t j = visible - visible % kLanes; j < visible; ++j) mx = s[j] > mx ? s[j] : mx;
+    const VF vmx = vset1(mx);
+    VF sum = vzero();
+    for (int64_t j = 0; j < visible; j += kLanes) {
+      const int64_t left = visible - j;
+      if (left >= kLanes) {
+        const VF p = vexp(vsub(vload(s + j), vmx));
+        vstore(s + j, p);
+        sum = vadd(sum, p);
+      } else {
+        vstore_n(s + j, vexp(vsub(vload_n(s + j, left), vmx)), left);
+        sum = vadd(sum, vload_n(s + j, left));   // masked lanes read back as 0
       }
-      // scores[h, j] = q_h . k_j * scale: up to 4 heads against one key at a time (independent chains)
-      for (int64_t h0 = 0; h0 < H; h0 += 4) {
-        float* sh = scores + h0 * visible;
-        const float* qh = qt + h0 * D;
-        switch (H - h0 < 4 ? H - h0 : 4) {
-          case 4: attn_scores<CT, 4>(qh, D, cache, table, page, visible, scale, sh); break;
-          case 3: attn_scores<CT, 3>(qh, D, cache, table, page, visible, scale, sh); break;
-          case 2: attn_scores<CT, 2>(qh, D, cache, table, page, visible, scale, sh); break;
-          default: attn_scores<CT, 1>(qh, D, cache, table, page, visible, scale, sh); break;
-        }
-      }
-      for (int64_t h = 0; h < H; ++h) {
-        float* s = scores + h * visible;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j + kLanes <= visible; j += kLanes) {
-          const float c = vhmax(vload(s + j));
-          mx = c > mx ? c : mx;
-        }
-        for (int64_t j = visible - visible % kLanes; j < visible; ++j) mx = s[j] > mx ? s[j] : mx;
-        const VF vmx = vset1(mx);
-        VF sum = vzero();
-        for (int64_t j = 0; j < visible; j += kLanes) {
-          const int64_t left = visible - j;
-          if (left >= kLanes) {
-            const VF p = vexp(vsub(vload(s + j), vmx));
-            vstore(s + j, p);
-            sum = vadd(sum, p);
-          } else {
-            vstore_n(s + j, vexp(vsub(vload_n(s + j, left), vmx)), left);
-            sum = vadd(sum, vload_n(s + j, left));   // masked lanes read back as 0
-          }
-        }
-        inv[h] = 1.0f / vhsum(sum);
-      }
-      // out_h = sum_j p_hj * c_kv_j / sum_j p_hj, keys in order; register tiles of 4 heads x 64 latents
-      for (int64_t h0 = 0; h0 < H; h0 += 4) {
-        for (int64_t r0 = 0; r0 < R; r0 += 64) {
-          const int64_t rlen = R - r0 < 64 ? R - r0 : 64;
-          float* o = ot + h0 * R + r0;
-          const float* sh = scores + h0 * visible;
-          switch (H - h0 < 4 ? H - h0 : 4) {
-            case 4: attn_out_tile<CT, 4>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + h0); break;
-            case 3: attn_out_tile<CT, 3>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + h0); break;
-            case 2: attn_out_tile<CT, 2>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + h0); break;
-            default: attn_out_tile<CT, 1>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + h0); break;
-          }
-        }
+    }
+    inv[h] = 1.0f / vhsum(sum);
+  }
+  // out_h = sum_j p_hj * c_kv_j / sum_j p_hj, keys in order; register tiles of 4 heads x 64 latents
+  for (int64_t g = 0; g < nh; g += 4) {
+    for (int64_t r0 = 0; r0 < R; r0 += 64) {
+      const int64_t rlen = R - r0 < 64 ? R - r0 : 64;
+      float* o = ot + (h0 + g) * R + r0;
+      const float* sh = scores + g * visible;
+      switch (nh - g < 4 ? nh - g : 4) {
+        case 4: attn_out_tile<CT, 4>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + g); break;
+        case 3: attn_out_tile<CT, 3>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + g); break;
+        case 2: attn_out_tile<CT, 2>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + g); break;
+        default: attn_out_tile<CT, 1>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + g); break;
       }
     }
   }
 }
 
-void attention(const float* q, int64_t T, int64_t H, int64_t R, int64_t P, const void* cache, int ctype,
-               int64_t page, const int32_t* tables, int64_t max_blocks, const int32_t* qstart, const int32_t* ctx,
-               int64_t B, int64_t b0, int64_t b1, float scale, float* out, float* scratch) {
-  (void)T;
-  (void)B;
+void attention(const float* q_t, int64_t H, int64_t h0, int64_t h1, int64_t R, int64_t P, const void* cache,
+               int ctype, int64_t page, const int32_t* table, int64_t visible, float scale, float* out_t,
+               float* scratch) {
   if (ctype == kBF16) {
-    attention_typed(q, H, R, P, static_cast<const uint16_t*>(cache), page, tables, max_blocks, qstart, ctx, b0, b1,
-                    scale, out, scratch);
+    attention_typed(q_t, H, h0, h1, R, P, static_cast<const uint16_t*>(cache), page, table, visible, scale, out_t,
+                    scratch);
   } else {
-    attention_typed(q, H, R, P, static_cast<const float*>(cache), page, tables, max_blocks, qstart, ctx, b0, b1,
-                    scale, out, scratch);
+    attention_typed(q_t, H, h0, h1, R, P, static_cast<const float*>(cache), page, table, visible, scale, out_t,
+                    scratch);
   }
 }
 

@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mtp_core.kernels.decode_ref import decode_forward_ref, linear_bi_ref
+from mtp_core.kernels.native_ref import mat_gemm_ref
 from mtp_core.kernels.fused_ref import rms_norm_ref, rope_ref
 from mtp_core.kernels.mla_decode_ref import mla_decode_ref
 from mtp_core.kernels.native import NativeOps, load_native_ops, note_fallback
@@ -186,22 +186,13 @@ def cpu_isa() -> str:
     return _C.cpu_isa()
 
 
-def decode_forward(ids, embed, mtp_hidden, weights, dims, fparams, caches, rope_cos, rope_sin, positions,
-                   slot_mapping, query_start, block_tables, seqlens, final_norm) -> torch.Tensor:
-    """A stack of decoder layers over a decode batch (contract: decode_ref.py); native on CPU."""
-    if NATIVE.cpu and embed.device.type == "cpu":
-        return torch.ops.mtp_core.decode_forward(ids, embed, mtp_hidden, weights, dims, fparams, caches, rope_cos,
-                                                 rope_sin, positions, slot_mapping, query_start, block_tables,
-                                                 seqlens, final_norm)
-    note_fallback("decode_forward", f"{embed.device}: no native op")
-    return decode_forward_ref(ids, embed, mtp_hidden, weights, dims, fparams, caches, rope_cos, rope_sin, positions,
-                              slot_mapping, query_start, block_tables, seqlens, final_norm)
-
-
-def linear_bi(x: torch.Tensor, w_packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x [T, K] @ W^T -> float32 [T, n] (W [n, K] packed by decode_ref.pack_weight), each output reduced in
-    an order independent of T."""
-    if NATIVE.cpu and x.device.type == "cpu" and w_packed.dtype in _CPU_Q_DTYPES:
-        return torch.ops.mtp_core.linear_bi(x, w_packed, n)
-    note_fallback("linear_bi", f"{x.device} {w_packed.dtype}")
-    return linear_bi_ref(x, w_packed, n)
+def mat_gemm(x: torch.Tensor, m) -> torch.Tensor:
+    """x [T, m.k] @ W^T (+ bias) -> float32 [T, m.n] for a native_weights.Matrix of any layout / format, with
+    the native forward's kernels on CPU (batch-invariant: each output reduced in an order independent of T)."""
+    if x.dim() != 2 or x.shape[1] != m.k:
+        raise ValueError(f"mat_gemm: x must be [T, {m.k}], got {tuple(x.shape)}")
+    if NATIVE.cpu and x.device.type == "cpu":
+        return torch.ops.mtp_core.mat_gemm(x, m.data, m.scale, m.gscale, m.bias, m.layout, m.fmt, m.n, m.k,
+                                           m.scale_r0, m.gscale2)
+    note_fallback("mat_gemm", f"{x.device}: no native op")
+    return mat_gemm_ref(x, m)

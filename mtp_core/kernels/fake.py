@@ -34,13 +34,8 @@ def register_fakes() -> None:
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
         return torch.empty_like(x)
 
-    @torch.library.register_fake("mtp_core::decode_forward")
-    def _decode_forward(ids, embed, mtp_hidden, weights, dims, fparams, caches, rope_cos, rope_sin, positions,
-                        slot_mapping, query_start, block_tables, seqlens, final_norm) -> torch.Tensor:
-        return embed.new_empty((ids.shape[0], embed.shape[1]))                          # [T, H]
-
-    @torch.library.register_fake("mtp_core::linear_bi")
-    def _linear_bi(x: torch.Tensor, w_packed: torch.Tensor, n: int) -> torch.Tensor:
+    @torch.library.register_fake("mtp_core::mat_gemm")
+    def _mat_gemm(x, data, scale, gscale, bias, layout, fmt, n, k, scale_r0, gscale2) -> torch.Tensor:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)                       # [T, n]
 
     @torch.library.register_fake("mtp_core::nvfp4_quantize")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -28,13 +28,41 @@ _IGNORABLE = (
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(dtype: str, device: str = "cpu") -> torch.dtype:
-    """auto -> float32 on CPU (bf16 matmuls are far slower there), bfloat16 on GPUs."""
+_HEADER_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def native_cpu() -> bool:
+    """The native CPU kernels are loaded (they read bf16 and packed FP8 / NVFP4 weights in place)."""
+    from mtp_core import kernels
+    return kernels.NATIVE.cpu
+
+
+def checkpoint_dtype(ckpt: Checkpoint) -> Optional[torch.dtype]:
+    """The dtype the checkpoint stores its unquantized weights in (that of the token embedding)."""
+    name = "model.embed_tokens.weight"
+    if name not in ckpt.shards:
+        return None
+    return _HEADER_DTYPES.get(ckpt.shard_tensors[ckpt.shards[name]][name]["dtype"])
+
+
+def resolve_dtype(dtype: str, device: str = "cpu", stored: Optional[torch.dtype] = None) -> torch.dtype:
+    """auto -> on CPU the checkpoint's own dtype when the native kernels can read it (bf16 weights stay bf16:
+    half the bytes, computed in fp32), else float32 (torch's bf16 matmuls are slow there); bfloat16 on GPUs."""
     if dtype == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
+        if device != "cpu":
+            return torch.bfloat16
+        return stored if stored in (torch.float32, torch.bfloat16) and native_cpu() else torch.float32
     if dtype not in _DTYPES:
         raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def resolve_keep_quantized(keep_quantized: Optional[bool], device: str = "cpu") -> bool:
+    """None (auto) -> FP8 / NVFP4 weights stay packed on a CPU with the native kernels (they dequantize in
+    registers) and are dequantized at load elsewhere."""
+    if keep_quantized is not None:
+        return keep_quantized
+    return device == "cpu" and native_cpu()
 
 
 def _is_ignorable(name: str, num_main_layers: int) -> bool:
@@ -69,14 +97,17 @@ def check_tensor_names(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], p
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                progress: Optional[Callable[[int, int], None]] = None,
-               keep_quantized: bool = False) -> tuple[DeepseekV3ForCausalLM, Checkpoint]:
-    """Build the model on the meta device and fill it from the checkpoint's safetensors.
+               keep_quantized: Optional[bool] = None) -> tuple[DeepseekV3ForCausalLM, Checkpoint]:
+    """Build the model on the meta device and fill it from the checkpoint's safetensors, one tensor at a
+    time (each read, converted and placed before the next: the peak is the model plus one tensor).
 
-    Quantized checkpoints (DeepSeek FP8 block, ModelOpt NVFP4) are dequantized exactly at load, or, with
-    keep_quantized, kept packed in modules that dequantize on the fly (less resident memory)."""
+    Quantized checkpoints (DeepSeek FP8 block, ModelOpt NVFP4) are kept packed in modules that the native
+    CPU kernels read in place (keep_quantized None = auto: on a CPU with them), or dequantized exactly at
+    load (keep_quantized False)."""
     ckpt = open_checkpoint(model_dir)
     quant = detect_quant_format(ckpt.model_dir, ckpt.config.raw)
-    torch_dtype = resolve_dtype(dtype, device)
+    torch_dtype = resolve_dtype(dtype, device, checkpoint_dtype(ckpt))
+    keep_quantized = resolve_keep_quantized(keep_quantized, device)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(ckpt.config)
     expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -84,18 +115,20 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     linears = _linear_weight_names(model)
     parts = {n: (quant.tensor_names(n, available) if quant is not None and n in linears else [n]) for n in expected}
     check_tensor_names(ckpt, {n: tuple(t.shape) for n, t in expected.items()}, parts)
-    needed = {t for names in parts.values() for t in names}
-    tensors = _read_tensors(ckpt, needed, {n: list(expected[n].shape) for n in expected if parts[n] == [n]},
-                            progress)
     state: dict[str, torch.Tensor] = {}
     quantized_modules: dict[str, torch.nn.Module] = {}
-    for name, names in parts.items():
+    shapes = {n: list(expected[n].shape) for n in expected if parts[n] == [n]}
+    num_tensors = 0
+    for name, tensors in _stream_tensors(ckpt, parts, shapes, progress):
+        names = parts[name]
+        num_tensors += len(names)
         shape = tuple(expected[name].shape)
         keep_fp32 = name.endswith("e_score_correction_bias") or name.endswith("gate.weight")
         target = torch.float32 if keep_fp32 else torch_dtype
         if quant is not None and name in linears:
             sub = {t: tensors[t] for t in names}   # dequantize() also refuses an FP8/FP4 weight without scales
             if keep_quantized and quant.is_quantized(name, available):
+                sub = {t: v.clone() for t, v in sub.items()}   # aligned copies that do not pin the file mapping
                 quantized_modules[name[: -len(".weight")]] = quant.make_linear(name, sub, shape, device=device)
                 continue
             state[name] = quant.dequantize(name, sub, shape).to(device=device, dtype=target)
@@ -110,19 +143,27 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     model.load_state_dict(state, strict=not quantized_modules, assign=True)
     model.rope.inv_freq = model.rope.inv_freq.to(device)
     model.eval()
-    log.info("loaded %d tensors from %d file(s) in %s as %s%s", len(tensors), len(ckpt.shard_tensors),
+    log.info("loaded %d tensors from %d file(s) in %s as %s%s", num_tensors, len(ckpt.shard_tensors),
              ckpt.model_dir, str(torch_dtype).replace("torch.", ""),
              f" ({quant.name}, {'kept quantized' if keep_quantized else 'dequantized'})" if quant else "")
     return model, ckpt
 
 
-def _read_tensors(ckpt: Checkpoint, names: set[str], shapes: dict[str, list[int]],
-                  progress: Optional[Callable[[int, int], None]]) -> dict[str, torch.Tensor]:
-    """Memory-mapped reads, file by file; plain tensors are shape-checked against the model."""
+def _stream_tensors(ckpt: Checkpoint, parts: dict[str, list[str]], shapes: dict[str, list[int]],
+                    progress: Optional[Callable[[int, int], None]]) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """(parameter, {checkpoint tensor: tensor}) for every parameter as soon as all its tensors are read, file
+    by file (each file is mapped only while it is read, and a tensor is dropped once every parameter using it
+    has been handed out); plain tensors are shape-checked against the model."""
+    owners: dict[str, list[str]] = {}
+    for param, names in parts.items():
+        for n in names:
+            owners.setdefault(n, []).append(param)
     by_file: dict[Path, list[str]] = {}
-    for n in sorted(names):
+    for n in sorted(owners):
         by_file.setdefault(ckpt.shards[n], []).append(n)
-    out: dict[str, torch.Tensor] = {}
+    missing = {param: set(names) for param, names in parts.items()}
+    pending: dict[str, torch.Tensor] = {}
+    done, total = 0, len(owners)
     for path, file_names in by_file.items():
         header = ckpt.shard_tensors[path]
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -130,7 +171,14 @@ def _read_tensors(ckpt: Checkpoint, names: set[str], shapes: dict[str, list[int]
                 got = list(header[n]["shape"])
                 if n in shapes and got != shapes[n]:
                     raise ValueError(f"tensor {n} in {path.name} has shape {got}, expected {shapes[n]}")
-                out[n] = f.get_tensor(n)
+                pending[n] = f.get_tensor(n)
+                done += 1
                 if progress:
-                    progress(len(out), len(names))
-    return out
+                    progress(done, total)
+                for param in owners[n]:
+                    missing[param].discard(n)
+                    if not missing[param]:
+                        yield param, {t: pending[t] for t in parts[param]}
+                        for t in parts[param]:
+                            if t in pending and all(not missing[p] for p in owners[t]):
+                                del pending[t]

@@ -61,7 +61,8 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # ---- serving (paged cache) -----------------------------------------------------------
     def ensure_decode_fused(self) -> None:
-        """fuse_for_decode() once per model (engines sharing a model fuse it once), logged."""
+        """Once per model (engines sharing a model prepare it once): the torch path's decode-time weight fusion
+        (each fusion skips itself where it would grow the weights) and the native CPU decode forward, logged."""
         if not getattr(self, "decode_fused", False):
             log.info("decode weight fusion: %s", self.fuse_for_decode())
             self.decode_fused = True

@@ -93,6 +93,7 @@ class Nvfp4Linear(torch.nn.Module):
         # Kept for a native FP4 path (activation global scale); CPU dequantization ignores it.
         self.register_buffer("input_scale_bits", None if input_scale is None
                              else input_scale.reshape(1).view(torch.int32))
+        self.interleaved = False   # codes in the native CPU kernels' order (kernels/nvfp4_layout.py)
 
     @property
     def weight_scale(self) -> torch.Tensor:  # [N, K/16] float8_e4m3fn
@@ -103,8 +104,15 @@ class Nvfp4Linear(torch.nn.Module):
         return self.weight_scale_2_bits.view(torch.float32).reshape(())
 
     @property
+    def weight_codes(self) -> torch.Tensor:  # [N, K/2] uint8 in the checkpoint's order
+        if self.interleaved:
+            from mtp_core.kernels.nvfp4_layout import deinterleave
+            return deinterleave(self.weight_packed)
+        return self.weight_packed
+
+    @property
     def weight(self) -> torch.Tensor:  # [N, K] float32, dequantized on each access
-        return dequantize_nvfp4(self.weight_packed, self.weight_scale, self.weight_scale_2, self.group)
+        return dequantize_nvfp4(self.weight_codes, self.weight_scale, self.weight_scale_2, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight.to(x.dtype))

@@ -156,7 +156,7 @@ def build_training_model(o: FinetuneOptions) -> tuple[DeepseekV3ForCausalLM, obj
     """float32 model with the source weights (dequantized when quantized); --add_mtp appends N new modules."""
     from mtp_core.loader import load_model
 
-    src_model, ckpt = load_model(o.model_dir, dtype="float32")
+    src_model, ckpt = load_model(o.model_dir, dtype="float32", keep_quantized=False)
     if not o.add_mtp:
         return src_model, ckpt, dict(ckpt.config.raw)
     raw = {**ckpt.config.raw, "num_nextn_predict_layers": o.add_mtp}
