@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional, Sequence as Seq, Union
 
@@ -53,6 +54,16 @@ class LLM:
         # collection a decode step's small allocations trigger (measured: ~17% of a native decode call's time)
         gc.collect()
         gc.freeze()
+        # ... but frozen objects are never collected: when this LLM goes away, unfreeze so that the engine's
+        # reference cycles (and with them the weights and KV cache) can be freed by the next collection
+        self._unfreeze = weakref.finalize(self, gc.unfreeze)
+
+    def close(self) -> None:
+        """Release the engine, the weights and the KV cache now (also what deleting the LLM does, at the next
+        garbage collection)."""
+        self._unfreeze()
+        self.engine = self.model = None
+        gc.collect()
 
     # ---- prompts -------------------------------------------------------------------------
     def encode_prompt(self, prompt: Prompt, apply_chat_template: bool = False) -> list[int]:
