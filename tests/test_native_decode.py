@@ -475,3 +475,48 @@ def test_a_copy_of_a_model_builds_its_own_decoder(tiny1_dir) -> None:
            for name, m in (("twin", twin), ("fresh", fresh), ("original", model))}
     assert twin.native is not None
     assert out["twin"] == out["fresh"] != out["original"]
+
+
+# ---- AMX tiles (bf16 weights on Sapphire Rapids and later) -----------------------------------------
+needs_amx = pytest.mark.skipif(not kernels.cpu_amx(), reason="no AMX on this CPU (or capped by MTP_CORE_CPU_ISA)")
+
+
+@needs_amx
+def test_amx_gemm_is_bitwise_batch_invariant_and_matches_bf16_activations() -> None:
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((16, 32), (37, 64), (130, 2048)):
+        w = torch.randn(n, k, generator=g).bfloat16()
+        m = Matrix(ROWS, 1, n, k, w, bias=torch.randn(n, generator=g))
+        for T in (1, 3, 16, 17, 40):
+            x = torch.randn(T, k, generator=g)
+            y = kernels.mat_gemm(x, m, amx=True)
+            want = x.bfloat16().float() @ w.float().T + m.bias
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5 * k ** 0.5)
+            assert torch.equal(y, torch.cat([kernels.mat_gemm(x[i:i + 1], m, amx=True) for i in range(T)]))
+    with pytest.raises(RuntimeError, match="amx"):
+        kernels.mat_gemm(torch.randn(2, 40), Matrix(ROWS, 1, 8, 40, torch.randn(8, 40).bfloat16()), amx=True)
+
+
+@needs_amx
+def test_amx_forward_matches_reference_and_stays_batch_invariant(monkeypatch) -> None:
+    """bf16 weights in the direct layout run on AMX tiles (bf16 activations) for every token count: close to
+    the reference that rounds the same activations, and bitwise the same one token at a time or six at once;
+    MTP_CORE_CPU_ISA=avx512 turns the tiles off."""
+    model = tiny_model(dtype=torch.bfloat16, num_layers=3, num_mtp=1, q_lora_rank=None, hidden_size=128)
+    nd = NativeDecoder.build(model, "direct")
+    assert nd.weights.dims["amx"] == 1 and "AMX" in nd.handle.summary()
+    out, ref, *_ = run_both(nd, model.config, 0, 3, ROWS_["ragged"], cache_dtype=torch.bfloat16)
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+    D = model.config.kv_lora_rank + model.config.qk_rope_head_dim
+    prefix = torch.randn(64, PAGE, D).bfloat16()
+    ids = torch.randint(7, 96, (6,))
+    table = [[5, 9, 2, 11]]
+    ca, cb = [prefix.clone() for _ in range(3)], [prefix.clone() for _ in range(3)]
+    with torch.inference_mode():
+        one = torch.cat([nd.forward(ids[i:i + 1], AttentionMetadata.build([[8 + i]], table, PAGE, True), ca)
+                         for i in range(6)])
+        six = nd.forward(ids, AttentionMetadata.build([list(range(8, 14))], table, PAGE, True), cb)
+    assert torch.equal(one, six) and torch.equal(nd.logits(one), nd.logits(six))
+    monkeypatch.setenv("MTP_CORE_CPU_ISA", "avx512")
+    assert not kernels.cpu_amx()
+    assert NativeDecoder.build(model, "direct").weights.dims["amx"] == 0

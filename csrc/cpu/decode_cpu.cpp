@@ -32,6 +32,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "amx_gemm.h"
 #include "decode_kernels.h"
 #include "decode_weights.h"
 #include "thread_team.h"
@@ -59,6 +60,15 @@ const KernelTable* pick_table() {
 const KernelTable& K() {
   static const KernelTable* table = pick_table();
   return *table;
+}
+
+// Every projection goes through here: the AMX tile GEMM for the matrices marked for it, the table's otherwise.
+inline void run_gemm(const Mat& M, const Rows& X, int64_t n0, int64_t n1, float* Y, int64_t ldy, float* scratch) {
+  if (M.amx) {
+    cpu::amx_gemm(M, X, n0, n1, Y, ldy);
+  } else {
+    K().gemm(M, X, n0, n1, Y, ldy, scratch);
+  }
 }
 
 template <typename T>
@@ -116,7 +126,7 @@ struct Forward {
   // ---- helpers ------------------------------------------------------------------------------------
   void gemm(Team& tm, const Mat& M, const Rows& X, float* Y, int64_t ldy, float* scratch) const {
     const auto [n0, n1] = tm.split(M.n, cpu::gemm_align(M));
-    K().gemm(M, X, n0, n1, Y, ldy, scratch);
+    run_gemm(M, X, n0, n1, Y, ldy, scratch);
   }
   void norm_rows(Team& tm, const float* x, int64_t ldx, int64_t dim, const NormW& nw, float* y, int64_t ldy) const {
     const auto [t0, t1] = tm.split(w.T);
@@ -178,7 +188,7 @@ struct Forward {
       const auto [i0, i1] = tm.split(nh * tiles);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t hh = i / tiles, n0 = (i % tiles) * 64;
-        K().gemm(L.uk[hh], Rows{q + hh * dq, q_ld, nullptr, T}, n0, std::min(R, n0 + 64), qlat + hh * D, qlat_ld,
+        run_gemm(L.uk[hh], Rows{q + hh * dq, q_ld, nullptr, T}, n0, std::min(R, n0 + 64), qlat + hh * D, qlat_ld,
                  scratch);
       }
       tm.sync();
@@ -203,7 +213,7 @@ struct Forward {
       const auto [i0, i1] = tm.split(nh * tiles);
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t hh = i / tiles, n0 = (i % tiles) * 32;
-        K().gemm(L.uv[hh], Rows{w.olat.get() + hh * R, nh * R, nullptr, T}, n0, std::min(d.dv, n0 + 32),
+        run_gemm(L.uv[hh], Rows{w.olat.get() + hh * R, nh * R, nullptr, T}, n0, std::min(d.dv, n0 + 32),
                  w.v.get() + hh * d.dv, nh * d.dv, scratch);
       }
       tm.sync();
@@ -212,7 +222,7 @@ struct Forward {
     }
     {   // x += o_proj(.): each member adds the columns it computed
       const auto [n0, n1] = tm.split(H, cpu::gemm_align(L.o));
-      K().gemm(L.o, Rows{o_in, o_ld, nullptr, T}, n0, n1, w.out.get(), H, scratch);
+      run_gemm(L.o, Rows{o_in, o_ld, nullptr, T}, n0, n1, w.out.get(), H, scratch);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t n = n0; n < n1; ++n) w.x[t * H + n] += w.out[t * H + n];
     }
@@ -223,8 +233,8 @@ struct Forward {
   // gate/up rows [i0, i1) of f over X into g/u (row stride ldo), and act = silu(g) * u for them.
   static void ffn_up(const FFNW& f, const Rows& X, int64_t i0, int64_t i1, float* g, float* u, float* act,
                      int64_t ldo, float* scratch) {
-    K().gemm(f.gate, X, i0, i1, g, ldo, scratch);
-    K().gemm(f.up, X, i0, i1, u, ldo, scratch);
+    run_gemm(f.gate, X, i0, i1, g, ldo, scratch);
+    run_gemm(f.up, X, i0, i1, u, ldo, scratch);
     for (int64_t t = 0; t < X.T; ++t) K().silu_mul(g + t * ldo + i0, u + t * ldo + i0, i1 - i0, act + t * ldo + i0);
   }
 
@@ -237,7 +247,7 @@ struct Forward {
     }
     tm.sync();
     const auto [n0, n1] = tm.split(H, cpu::gemm_align(f.down));
-    K().gemm(f.down, Rows{w.act.get(), I, nullptr, T}, n0, n1, w.out.get(), H, scratch);
+    run_gemm(f.down, Rows{w.act.get(), I, nullptr, T}, n0, n1, w.out.get(), H, scratch);
     for (int64_t t = 0; t < T; ++t)
       for (int64_t n = n0; n < n1; ++n) w.x[t * H + n] += w.out[t * H + n];
     tm.sync();
@@ -345,13 +355,13 @@ struct Forward {
     tm.sync();
     // down projections over this member's hidden columns, combined per token in ascending expert order
     {
-      const auto [n0, n1] = tm.split(H, 8);
+      const auto [n0, n1] = tm.split(H, 16);
       float* out = w.out.get();
       for (int64_t t = 0; t < T; ++t) std::fill(out + t * H + n0, out + t * H + n1, 0.f);
       float* y = scratch + scratch_floats;   // [T, H] beyond the gemm scratch
       for (int64_t a = 0; a < na; ++a) {
         const int64_t off = w.first[a], n = w.first[a + 1] - off;
-        K().gemm(L.experts[w.active[a]].down, Rows{w.act.get() + off * I, I, nullptr, n}, n0, n1, y, H, scratch);
+        run_gemm(L.experts[w.active[a]].down, Rows{w.act.get() + off * I, I, nullptr, n}, n0, n1, y, H, scratch);
         for (int64_t r = 0; r < n; ++r) {
           const float wt = w.weight[off + r];
           float* o = out + w.tokens[off + r] * H;
@@ -360,7 +370,7 @@ struct Forward {
         }
       }
       if (Is) {
-        K().gemm(L.shared.down, Rows{w.acts.get(), Is, nullptr, T}, n0, n1, y, H, scratch);
+        run_gemm(L.shared.down, Rows{w.acts.get(), Is, nullptr, T}, n0, n1, y, H, scratch);
         for (int64_t t = 0; t < T; ++t)
           for (int64_t c = n0; c < n1; ++c) out[t * H + c] += y[t * H + c];
       }
@@ -565,7 +575,7 @@ at::Tensor decode_logits_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, c
   const Rows X{x.data_ptr<float>(), M.k, nullptr, T};
   run_team(nt, [&](Team& tm) {
     const auto [n0, n1] = tm.split(M.n, cpu::gemm_align(M));
-    K().gemm(M, X, n0, n1, y.data_ptr<float>(), M.n, scratch[tm.rank()].get());
+    run_gemm(M, X, n0, n1, y.data_ptr<float>(), M.n, scratch[tm.rank()].get());
   });
   return y;
 }
@@ -574,7 +584,7 @@ at::Tensor decode_logits_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, c
 // the quantized linears' CPU path and the kernels' parity tests.
 at::Tensor mat_gemm_cpu(const at::Tensor& x, const at::Tensor& data, const std::optional<at::Tensor>& scale,
                         const std::optional<at::Tensor>& gscale, const std::optional<at::Tensor>& bias, int64_t layout,
-                        int64_t fmt, int64_t n, int64_t k, int64_t scale_r0, double gscale2) {
+                        int64_t fmt, int64_t n, int64_t k, int64_t scale_r0, double gscale2, bool amx) {
   c10::Dict<std::string, at::Tensor> t;
   c10::Dict<std::string, int64_t> i;
   c10::Dict<std::string, double> f;
@@ -591,7 +601,10 @@ at::Tensor mat_gemm_cpu(const at::Tensor& x, const at::Tensor& data, const std::
   TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "mat_gemm: x must be [T, ", k, "], got ", x.sizes());
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   int64_t bytes = 0;
-  const Mat M = parse_mat(t, i, f, "m", true, &bytes);
+  Mat M = parse_mat(t, i, f, "m", true, &bytes);
+  TORCH_CHECK(!amx || (cpu::amx_usable() && cpu::amx_takes(M)), "mat_gemm: amx needs an AMX CPU and a bf16 row-wise "
+              "matrix with k a multiple of 32");
+  M.amx = amx;
   const int64_t T = xf.size(0);
   at::Tensor y = at::empty({T, n}, xf.options());
   if (T == 0) return y;
@@ -601,7 +614,7 @@ at::Tensor mat_gemm_cpu(const at::Tensor& x, const at::Tensor& data, const std::
   const Rows X{xf.data_ptr<float>(), k, nullptr, T};
   run_team(nt, [&](Team& tm) {
     const auto [n0, n1] = tm.split(M.n, cpu::gemm_align(M));
-    K().gemm(M, X, n0, n1, y.data_ptr<float>(), n, scratch[tm.rank()].get());
+    run_gemm(M, X, n0, n1, y.data_ptr<float>(), n, scratch[tm.rank()].get());
   });
   return y;
 }
@@ -610,6 +623,7 @@ at::Tensor mat_gemm_cpu(const at::Tensor& x, const at::Tensor& data, const std::
 }  // namespace mtp_core
 
 extern "C" const char* mtp_core_cpu_isa() { return mtp_core::K().isa; }
+extern "C" int mtp_core_cpu_amx() { return mtp_core::cpu::amx_usable() ? 1 : 0; }
 
 TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
   // The model's weights for the native forward, built once (decode_weights.h; mtp_core/model/native_weights.py).
@@ -630,7 +644,7 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
   // x [T, k] -> [T, n] float32, with the forward's kernels.
   m.def(
       "mat_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? gscale, Tensor? bias, int layout, int fmt, int n, "
-      "int k, int scale_r0, float gscale2) -> Tensor");
+      "int k, int scale_r0, float gscale2, bool amx=False) -> Tensor");
   m.impl("decode_forward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_forward_cpu)));
   m.impl("decode_logits", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_logits_cpu)));
   m.impl("mat_gemm", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mat_gemm_cpu)));

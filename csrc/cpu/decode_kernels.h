@@ -46,6 +46,7 @@ struct Mat {
   int64_t gscale_ld = 0;
   float gscale2 = 1.f;              // kNVFP4: the global scale times 256
   const float* bias = nullptr;      // [N] or null
+  bool amx = false;                 // served by amx_gemm (amx_gemm.h): bf16 activations, AMX tiles
   bool defined() const { return data != nullptr; }
 };
 
@@ -80,7 +81,9 @@ struct KernelTable {
 };
 
 // Output granularity of a layout (n0 of a split must be a multiple of it), and gemm's scratch need.
-inline int64_t gemm_align(const Mat& W) { return W.layout == kPanel ? 64 : W.layout == kCols ? 64 : 8; }
+inline int64_t gemm_align(const Mat& W) {
+  return W.amx ? 16 : W.layout == kPanel ? 64 : W.layout == kCols ? 64 : 8;
+}
 inline int64_t gemm_scratch(const Mat& W) { return W.layout == kRows ? 8 * (W.k + 32) : 0; }
 
 const KernelTable* kernels_avx512();

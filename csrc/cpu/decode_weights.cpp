@@ -1,6 +1,8 @@
 // Reading and checking the named weight dictionaries of DecodeWeights (decode_weights.h), once per model.
 #include "decode_weights.h"
 
+#include "amx_gemm.h"
+
 #include <sstream>
 
 #include <c10/util/Exception.h>
@@ -45,6 +47,8 @@ NormW DecodeWeights::norm(const std::string& name, int64_t n, bool required) {
 
 cpu::Mat DecodeWeights::mat(const std::string& name, bool required) {
   cpu::Mat m = parse_mat(tensors_, ints_, floats_, name, required, &bytes_);
+  m.amx = use_amx_ && m.defined() && cpu::amx_takes(m);
+  num_amx_ += m.amx;
   max_scratch_ = std::max(max_scratch_, cpu::gemm_scratch(m));
   return m;
 }
@@ -152,6 +156,8 @@ DecodeWeights::DecodeWeights(c10::Dict<std::string, at::Tensor> tensors, c10::Di
   d_.groups = I("groups"); d_.topk_groups = I("topk_groups"); d_.norm_topk = I("norm_topk") != 0;
   d_.interleave = I("interleave") != 0; d_.vocab = I("vocab"); d_.num_main = I("num_main");
   d_.eps = F("eps"); d_.scale = F("softmax_scale"); d_.routed_scale = F("routed_scale");
+  use_amx_ = get_int(ints_, "dims.amx", 0) != 0;
+  TORCH_CHECK(!use_amx_ || cpu::amx_usable(), "DecodeWeights: dims.amx set but this CPU / kernel has no AMX");
   TORCH_CHECK(d_.P % 2 == 0 && d_.heads > 0 && d_.H > 0, "DecodeWeights: bad dims");
   TORCH_CHECK(d_.groups >= 1 && d_.groups <= 256 && d_.experts <= 1024 &&
                   (d_.experts == 0 || d_.experts % d_.groups == 0) && d_.top_k <= d_.experts,
@@ -231,6 +237,7 @@ std::string DecodeWeights::summary() const {
   s << layers_.size() << " layers, " << (l0.q_in.layout == cpu::kPanel ? "packed panels" : "weights in place")
     << ", attention " << (l0.absorbed() ? "pre-absorbed" : "absorbed at run time") << ", "
     << fmt_name((l0.mlp.defined() ? l0.mlp.down : l0.q_in).fmt) << " weights, " << bytes_ / (1 << 20) << " MiB";
+  if (num_amx_) s << ", " << num_amx_ << " matrices on AMX tiles (bf16 activations)";
   return s.str();
 }
 

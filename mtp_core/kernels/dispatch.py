@@ -177,6 +177,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
     return rope_ref(x, cos, sin, interleave)
 
 
+def cpu_amx() -> bool:
+    """AMX tiles are usable (CPU, kernel permission) and not capped off by MTP_CORE_CPU_ISA (avx512, avx2 or
+    generic turn them off; auto and amx keep them): the native forward then runs bf16 weights' GEMMs on them."""
+    if not NATIVE.cpu or os.environ.get("MTP_CORE_CPU_ISA", "auto") not in ("auto", "amx"):
+        return False
+    import mtp_core._C as _C
+    return bool(_C.cpu_amx())
+
+
 def cpu_isa() -> str:
     """The instruction set of the native CPU decode kernels (avx512 / avx2 / generic; MTP_CORE_CPU_ISA caps
     it), or "reference" when the native ops are not loaded."""
@@ -186,13 +195,14 @@ def cpu_isa() -> str:
     return _C.cpu_isa()
 
 
-def mat_gemm(x: torch.Tensor, m) -> torch.Tensor:
+def mat_gemm(x: torch.Tensor, m, amx: bool = False) -> torch.Tensor:
     """x [T, m.k] @ W^T (+ bias) -> float32 [T, m.n] for a native_weights.Matrix of any layout / format, with
-    the native forward's kernels on CPU (batch-invariant: each output reduced in an order independent of T)."""
+    the native forward's kernels on CPU (batch-invariant: each output reduced in an order independent of T).
+    amx: the AMX tile GEMM (bf16 row-wise weights; x rounded to bf16), where cpu_amx()."""
     if x.dim() != 2 or x.shape[1] != m.k:
         raise ValueError(f"mat_gemm: x must be [T, {m.k}], got {tuple(x.shape)}")
     if NATIVE.cpu and x.device.type == "cpu":
         return torch.ops.mtp_core.mat_gemm(x, m.data, m.scale, m.gscale, m.bias, m.layout, m.fmt, m.n, m.k,
-                                           m.scale_r0, m.gscale2)
+                                           m.scale_r0, m.gscale2, amx)
     note_fallback("mat_gemm", f"{x.device}: no native op")
-    return mat_gemm_ref(x, m)
+    return mat_gemm_ref(x, m, amx)

@@ -22,16 +22,20 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, w.float(), eps)                       # x is fp32 here: fp32 arithmetic throughout
 
 
-def _lin(x: torch.Tensor, m) -> torch.Tensor:
+def _lin(x: torch.Tensor, m, amx: bool) -> torch.Tensor:
+    """x @ W^T + b; amx: the matrices the AMX tiles serve see bf16-rounded activations."""
+    from mtp_core.model.native_weights import amx_takes
+    if amx and amx_takes(m):
+        x = x.bfloat16().float()
     return F.linear(x, m.dense(), m.bias)
 
 
-def _mlp(x: torch.Tensor, f) -> torch.Tensor:
-    return _lin(F.silu(_lin(x, f.gate)) * _lin(x, f.up), f.down)
+def _mlp(x: torch.Tensor, f, amx: bool) -> torch.Tensor:
+    return _lin(F.silu(_lin(x, f.gate, amx)) * _lin(x, f.up, amx), f.down, amx)
 
 
 def _route(h: torch.Tensor, layer, d: dict, routed_scale: float):
-    scores = _lin(h, layer.router).sigmoid()
+    scores = _lin(h, layer.router, False).sigmoid()
     choice = scores + layer.router_bias.float()
     T, E = scores.shape
     if d["groups"] > 1:
@@ -67,6 +71,7 @@ def _attention(q: torch.Tensor, cache: torch.Tensor, R: int, query_start: list[i
 def decode_forward_ref(weights, first_layer: int, num_layers: int, ids, mtp_hidden, caches, rope_cos, rope_sin,
                        positions, slot_mapping, query_start, block_tables, seqlens, final_norm: bool) -> torch.Tensor:
     d, prm = weights.dims, weights.params
+    amx = bool(d.get("amx"))
     eps, scale = prm["eps"], prm["softmax_scale"]
     H, R, P, nh, dn = d["hidden"], d["kv_lora"], d["rope"], d["heads"], d["nope"]
     qs, lens = query_start.tolist(), seqlens.tolist()
@@ -78,37 +83,37 @@ def decode_forward_ref(weights, first_layer: int, num_layers: int, ids, mtp_hidd
     for layer, cache in zip(weights.layers[first_layer:first_layer + num_layers], caches):
         if layer.eh_proj is not None:
             h = mtp_hidden.float()
-            x = _lin(torch.cat([_norm(x, layer.enorm, eps), _norm(h, layer.hnorm, eps)], -1), layer.eh_proj)
+            x = _lin(torch.cat([_norm(x, layer.enorm, eps), _norm(h, layer.hnorm, eps)], -1), layer.eh_proj, amx)
         h = _norm(x, layer.in_norm, eps)
-        q = _lin(h, layer.q_in)
+        q = _lin(h, layer.q_in, amx)
         if d["q_lora"]:
-            q = _lin(_norm(q, layer.q_a_norm, eps), layer.q_b)
-        kv_raw = _lin(h, layer.kv_a)
+            q = _lin(_norm(q, layer.q_a_norm, eps), layer.q_b, amx)
+        kv_raw = _lin(h, layer.kv_a, amx)
         absorbed = not layer.uk
         q = q.reshape(T, nh, -1)
         q_pe = rope_ref(q[..., -P:], cos, sin, inter)
         if absorbed:
             q_lat = q[..., :R]
         else:
-            q_lat = torch.stack([q[:, hh, :dn] @ layer.uk[hh].dense().T for hh in range(nh)], 1)   # [T, nh, R]
+            q_lat = torch.stack([_lin(q[:, hh, :dn], layer.uk[hh], amx) for hh in range(nh)], 1)   # [T, nh, R]
         q = torch.cat([q_lat, q_pe], -1)
         kv = torch.cat([_norm(kv_raw[:, :R], layer.kv_norm, eps), rope_ref(kv_raw[:, R:], cos, sin, inter)], -1)
         cache.view(-1, D).index_copy_(0, slot_mapping, kv.to(cache.dtype))
         o = _attention(q, cache, R, qs, block_tables, lens, scale)                  # [T, nh, R]
         if not absorbed:
-            o = torch.stack([o[:, hh] @ layer.uv[hh].dense().T for hh in range(nh)], 1)   # [T, nh, dv]
-        x = x + _lin(o.reshape(T, -1), layer.o)
+            o = torch.stack([_lin(o[:, hh], layer.uv[hh], amx) for hh in range(nh)], 1)   # [T, nh, dv]
+        x = x + _lin(o.reshape(T, -1), layer.o, amx)
         h = _norm(x, layer.post_norm, eps)
         if layer.mlp is not None:
-            x = x + _mlp(h, layer.mlp)
+            x = x + _mlp(h, layer.mlp, amx)
         else:
             wts, idx = _route(h, layer, d, prm["routed_scale"])
             out = torch.zeros_like(h)
             for e in sorted(set(idx.flatten().tolist())):
                 tok, slot = (idx == e).nonzero(as_tuple=True)
-                out.index_add_(0, tok, _mlp(h[tok], layer.experts[e]) * wts[tok, slot, None])
+                out.index_add_(0, tok, _mlp(h[tok], layer.experts[e], amx) * wts[tok, slot, None])
             if layer.shared is not None:
-                out = out + _mlp(h, layer.shared)
+                out = out + _mlp(h, layer.shared, amx)
             x = x + out
         if layer.head_norm is not None:
             x = _norm(x, layer.head_norm, eps)
@@ -116,8 +121,8 @@ def decode_forward_ref(weights, first_layer: int, num_layers: int, ids, mtp_hidd
 
 
 def decode_logits_ref(weights, hidden: torch.Tensor) -> torch.Tensor:
-    return _lin(hidden.float(), weights.lm_head)
+    return _lin(hidden.float(), weights.lm_head, bool(weights.dims.get("amx")))
 
 
-def mat_gemm_ref(x: torch.Tensor, m) -> torch.Tensor:
-    return _lin(x.float(), m)
+def mat_gemm_ref(x: torch.Tensor, m, amx: bool = False) -> torch.Tensor:
+    return _lin(x.float(), m, amx)
