@@ -307,6 +307,10 @@ class LLMConfig:
     # The overlap scheduler hides host work behind device compute; on a CPU both share the same cores and
     # it measured slower (BENCHMARKS.md), so it runs there only when this is set (the tests set it).
     overlap_scheduler_on_cpu: bool = False
+    # On a CPU with the native forward, a greedy decode step (plain, or MTP Eagle with strict acceptance) runs
+    # as one native call (engine/native_step.py); False runs every step through the general path (the
+    # reference the native step is tested against; env MTP_CORE_NATIVE_STEP=0 does the same)
+    native_step: bool = True
     enable_chunked_prefill: bool = False
     print_iter_log: bool = False
     tensor_parallel_size: int = 1

@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include "amx_gemm.h"
+#include "decode_forward.h"
 #include "decode_kernels.h"
 #include "decode_weights.h"
 #include "thread_team.h"
@@ -87,19 +88,6 @@ void rope_inplace(float* x, int64_t dim, const float* c, const float* s, bool in
   }
   std::memcpy(x, tmp, sizeof(float) * dim);
 }
-
-// The batch: T tokens in B rows, paged cache addressing, rope tables.
-struct Batch {
-  int64_t T = 0, B = 0, max_blocks = 0, max_ctx = 0, page = 0;
-  const int64_t* positions = nullptr;
-  const int64_t* slots = nullptr;
-  const int32_t* qstart = nullptr;
-  const int32_t* tables = nullptr;
-  const int32_t* ctx = nullptr;
-  const float* cos = nullptr;
-  const float* sin = nullptr;
-  std::vector<int32_t> row_of;   // [T]: the row of each token
-};
 
 // Work buffers of one call, shared by the team (each member writes only its own share of them).
 struct Work {
@@ -405,6 +393,97 @@ struct Forward {
   }
 };
 
+}  // namespace
+
+void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_layers, const int64_t* tok,
+                    const float* mtp_hidden, const std::vector<at::Tensor>& caches, const Batch& b, bool final_norm,
+                    float* out) {
+  const DecodeDims& d = W.dims();
+  const int64_t T = b.T, H = d.H, R = d.R, P = d.P, nh = d.heads;
+  if (T == 0) return;
+  // work buffers
+  Work w;
+  w.T = T;
+  int64_t q_in_n = 0, q_n = 0;
+  for (int64_t l = first_layer; l < first_layer + num_layers; ++l) {
+    q_in_n = std::max(q_in_n, W.layers()[l].q_in.n);
+    q_n = std::max(q_n, W.layers()[l].q_b.defined() ? W.layers()[l].q_b.n : 0);
+  }
+  w.q_in_ld = q_in_n;
+  const int64_t I = std::max<int64_t>(W.max_inter(), 1), k = std::max<int64_t>(d.top_k, 1);
+  w.x = buf<float>(T * H);
+  w.h = buf<float>(T * H);
+  w.aq = buf<float>(T * q_in_n);
+  w.akv = buf<float>(T * (R + P));
+  w.qc = buf<float>(T * d.q_lora);
+  w.q = buf<float>(T * q_n);
+  w.qlat = buf<float>(T * nh * (R + P));
+  w.olat = buf<float>(T * nh * R);
+  w.v = buf<float>(T * nh * d.dv);
+  w.out = buf<float>(T * H);
+  const int64_t pairs = std::max(T * k, T);
+  w.g = buf<float>(std::max(pairs * 2 * I, 2 * T * H));
+  w.u = buf<float>(pairs * I);
+  w.act = buf<float>(pairs * I);
+  w.gs = buf<float>(T * I * 2);
+  w.us = buf<float>(T * I * 2);
+  w.acts = buf<float>(T * I * 2);
+  w.logits = buf<float>(T * std::max<int64_t>(d.experts, 1));
+  w.wts = buf<float>(T * k);
+  w.idx = buf<int32_t>(T * k);
+  const int64_t scratch_floats = W.max_scratch() + 64;
+  const int nt = at::get_num_threads();
+  std::vector<std::unique_ptr<float[]>> scratch(nt), att(nt);
+  for (int i = 0; i < nt; ++i) {
+    scratch[i] = buf<float>(scratch_floats + T * H);
+    att[i] = buf<float>(nh * (b.max_ctx + 2));
+  }
+  Forward f{W, d, b, w, caches, scratch_floats};
+  const float* emb_f = static_cast<const float*>(W.embed().p);
+  const c10::BFloat16* emb_b = static_cast<const c10::BFloat16*>(W.embed().p);
+  run_team(nt, [&](Team& tm) {
+    float* sc = scratch[tm.rank()].get();
+    float* at_sc = att[tm.rank()].get();
+    {
+      const auto [t0, t1] = tm.split(T);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (W.embed().type == cpu::kBF16) {
+          for (int64_t i = 0; i < H; ++i) w.x[t * H + i] = static_cast<float>(emb_b[tok[t] * H + i]);
+        } else {
+          std::memcpy(w.x.get() + t * H, emb_f + tok[t] * H, sizeof(float) * H);
+        }
+      }
+    }
+    tm.sync();
+    for (int64_t l = 0; l < num_layers; ++l)
+      f.layer(tm, W.layers()[first_layer + l], caches[l], mtp_hidden, sc, at_sc);
+    const auto [t0, t1] = tm.split(T);
+    if (t1 > t0) {
+      if (final_norm) {
+        K().rms_norm(w.x.get() + t0 * H, H, t1 - t0, H, W.final_norm().p, W.final_norm().type, d.eps,
+                     out + t0 * H, H);
+      } else {
+        std::memcpy(out + t0 * H, w.x.get() + t0 * H, sizeof(float) * (t1 - t0) * H);
+      }
+    }
+  });
+}
+
+void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y) {
+  const Mat& M = W.lm_head();
+  if (T == 0) return;
+  const int nt = at::get_num_threads();
+  std::vector<std::unique_ptr<float[]>> scratch(nt);
+  for (int i = 0; i < nt; ++i) scratch[i] = buf<float>(cpu::gemm_scratch(M) + 64);
+  const Rows X{x, M.k, nullptr, T};
+  run_team(nt, [&](Team& tm) {
+    const auto [n0, n1] = tm.split(M.n, cpu::gemm_align(M));
+    run_gemm(M, X, n0, n1, y, M.n, scratch[tm.rank()].get());
+  });
+}
+
+namespace {
+
 void check_batch(const DecodeDims& d, const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& slots,
                  const at::Tensor& query_start, const at::Tensor& block_tables, const at::Tensor& seqlens,
                  const at::Tensor& rope_cos, const at::Tensor& rope_sin, at::TensorList caches, Batch& b) {
@@ -489,94 +568,19 @@ at::Tensor decode_forward_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, 
   }
   at::Tensor out = at::empty({T, H}, ids.options().dtype(at::kFloat));
   if (T == 0) return out;
-  // work buffers
-  Work w;
-  w.T = T;
-  int64_t q_in_n = 0, q_n = 0;
-  for (int64_t l = first_layer; l < first_layer + num_layers; ++l) {
-    q_in_n = std::max(q_in_n, W.layers()[l].q_in.n);
-    q_n = std::max(q_n, W.layers()[l].q_b.defined() ? W.layers()[l].q_b.n : 0);
-  }
-  w.q_in_ld = q_in_n;
-  const int64_t I = std::max<int64_t>(W.max_inter(), 1), k = std::max<int64_t>(d.top_k, 1);
-  w.x = buf<float>(T * H);
-  w.h = buf<float>(T * H);
-  w.aq = buf<float>(T * q_in_n);
-  w.akv = buf<float>(T * (R + P));
-  w.qc = buf<float>(T * d.q_lora);
-  w.q = buf<float>(T * q_n);
-  w.qlat = buf<float>(T * nh * (R + P));
-  w.olat = buf<float>(T * nh * R);
-  w.v = buf<float>(T * nh * d.dv);
-  w.out = buf<float>(T * H);
-  const int64_t pairs = std::max(T * k, T);
-  w.g = buf<float>(std::max(pairs * 2 * I, 2 * T * H));
-  w.u = buf<float>(pairs * I);
-  w.act = buf<float>(pairs * I);
-  w.gs = buf<float>(T * I * 2);
-  w.us = buf<float>(T * I * 2);
-  w.acts = buf<float>(T * I * 2);
-  w.logits = buf<float>(T * std::max<int64_t>(d.experts, 1));
-  w.wts = buf<float>(T * k);
-  w.idx = buf<int32_t>(T * k);
-  std::vector<at::Tensor> cache_list(caches.begin(), caches.end());
-  const int64_t scratch_floats = W.max_scratch() + 64;
-  const int nt = at::get_num_threads();
-  std::vector<std::unique_ptr<float[]>> scratch(nt), att(nt);
-  for (int i = 0; i < nt; ++i) {
-    scratch[i] = buf<float>(scratch_floats + T * H);
-    att[i] = buf<float>(nh * (b.max_ctx + 2));
-  }
-  Forward f{W, d, b, w, cache_list, scratch_floats};
-  const float* emb_f = static_cast<const float*>(W.embed().p);
-  const c10::BFloat16* emb_b = static_cast<const c10::BFloat16*>(W.embed().p);
-  const int64_t* tok = ids.data_ptr<int64_t>();
-  run_team(nt, [&](Team& tm) {
-    float* sc = scratch[tm.rank()].get();
-    float* at_sc = att[tm.rank()].get();
-    {
-      const auto [t0, t1] = tm.split(T);
-      for (int64_t t = t0; t < t1; ++t) {
-        if (W.embed().type == cpu::kBF16) {
-          for (int64_t i = 0; i < H; ++i) w.x[t * H + i] = static_cast<float>(emb_b[tok[t] * H + i]);
-        } else {
-          std::memcpy(w.x.get() + t * H, emb_f + tok[t] * H, sizeof(float) * H);
-        }
-      }
-    }
-    tm.sync();
-    for (int64_t l = 0; l < num_layers; ++l)
-      f.layer(tm, W.layers()[first_layer + l], cache_list[l], mtp ? hid.data_ptr<float>() : nullptr, sc, at_sc);
-    const auto [t0, t1] = tm.split(T);
-    if (t1 > t0) {
-      if (final_norm) {
-        K().rms_norm(w.x.get() + t0 * H, H, t1 - t0, H, W.final_norm().p, W.final_norm().type, d.eps,
-                     out.data_ptr<float>() + t0 * H, H);
-      } else {
-        std::memcpy(out.data_ptr<float>() + t0 * H, w.x.get() + t0 * H, sizeof(float) * (t1 - t0) * H);
-      }
-    }
-  });
+  const std::vector<at::Tensor> cache_list(caches.begin(), caches.end());
+  forward_layers(W, first_layer, num_layers, ids.data_ptr<int64_t>(), mtp ? hid.data_ptr<float>() : nullptr,
+                 cache_list, b, final_norm, out.data_ptr<float>());
   return out;
 }
 
 // logits [T, vocab] fp32 = hidden [T, H] @ lm_head^T, with the batch-invariant kernel and the thread team.
 at::Tensor decode_logits_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& hidden) {
-  const DecodeWeights& W = *weights;
-  const Mat& M = W.lm_head();
+  const Mat& M = weights->lm_head();
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == M.k, "decode_logits: hidden must be [T, ", M.k, "]");
   const at::Tensor x = hidden.to(at::kFloat).contiguous();
-  const int64_t T = x.size(0);
-  at::Tensor y = at::empty({T, M.n}, x.options());
-  if (T == 0) return y;
-  const int nt = at::get_num_threads();
-  std::vector<std::unique_ptr<float[]>> scratch(nt);
-  for (int i = 0; i < nt; ++i) scratch[i] = buf<float>(cpu::gemm_scratch(M) + 64);
-  const Rows X{x.data_ptr<float>(), M.k, nullptr, T};
-  run_team(nt, [&](Team& tm) {
-    const auto [n0, n1] = tm.split(M.n, cpu::gemm_align(M));
-    run_gemm(M, X, n0, n1, y.data_ptr<float>(), M.n, scratch[tm.rank()].get());
-  });
+  at::Tensor y = at::empty({x.size(0), M.n}, x.options());
+  lm_head(*weights, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
   return y;
 }
 
@@ -645,6 +649,15 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
   m.def(
       "mat_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? gscale, Tensor? bias, int layout, int fmt, int n, "
       "int k, int scale_r0, float gscale2, bool amx=False) -> Tensor");
+  // The MTP Eagle decode step in one call (greedy, strict; mtp_step_cpu.cpp): target forward over each row's
+  // [t, d_1..d_k], verification, Eagle forward 1 over the accepted tokens and num_drafts[b] chained drafts
+  // -> [B, 1 + (kmax + 1) + dmax] int64: (n, emitted tokens, next drafts), -1 padded. Writes the main and the
+  // MTP module's KV in `caches` (all layers, indexed as model.layers).
+  m.def(
+      "mtp_step(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor ids, Tensor query_start, "
+      "Tensor start, Tensor block_tables, Tensor num_drafts, Tensor(a!)[] caches, Tensor rope_cos, "
+      "Tensor rope_sin, int mtp_layer) -> Tensor");
+  m.impl("mtp_step", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mtp_step_cpu)));
   m.impl("decode_forward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_forward_cpu)));
   m.impl("decode_logits", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_logits_cpu)));
   m.impl("mat_gemm", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mat_gemm_cpu)));

@@ -18,6 +18,7 @@ computation itself is unchanged, so outputs are identical either way.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
@@ -27,6 +28,7 @@ import torch
 from mtp_core.config import LLMConfig
 from mtp_core.engine.graph_runner import GraphRunner, default_batch_sizes, static_step_unsupported
 from mtp_core.engine.model_runner import ModelRunner, TargetOutput
+from mtp_core.engine.native_step import NativeStep
 from mtp_core.model import AttentionMetadata
 from mtp_core.engine.scheduler import PreemptionNeeded, ScheduledRow, Scheduler
 from mtp_core.engine.sequence import Sequence
@@ -85,6 +87,12 @@ class Engine:
         self.graphs = self._make_graphs() if cfg.cuda_graph_config is not None else None
         self.overlap = (not cfg.disable_overlap_scheduler and self.drafter is not None
                         and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
+        # on a CPU with the native forward: the whole Eagle decode step in one native call where the batch allows
+        use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
+        self.native_step = (NativeStep(model, self.caches, self.K, kv.tokens_per_block, self.relaxed)
+                            if use_native_step and self.graphs is None and not self.overlap and drafter is None
+                            and model.native is not None
+                            and (not self.K or (mode == "eagle" and not spec.draft_confidence_threshold)) else None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
         self._prepared: Optional[tuple[list[ScheduledRow], AttentionMetadata]] = None
 
@@ -160,9 +168,11 @@ class Engine:
                                    "too small); raise kv_cache_config.max_tokens or --max_num_tokens")
             return []
         try:
-            static = self.graphs.step_for(rows) if self.graphs is not None else None
+            fused = self.graphs or self.native_step
+            static = fused.step_for(rows) if fused is not None else None
             if static is not None:
-                # target forward, verification and the K draft forwards in one (captured) static step
+                # target forward, verification and the draft forwards in one step: a captured static step (CUDA
+                # graph) or one native call (CPU)
                 tokens, drafts = static.run(rows)
                 result = VerifyResult(tokens)
                 inputs = self._commit(rows, result, None)
@@ -173,7 +183,7 @@ class Engine:
                     self.stats.record_limit(limit)
                     i.seq.stats.record_limit(limit)
                 self._store_drafts(inputs, [drafts_of[id(i.seq)] for i in inputs], rewind=True)
-                self.graphs.num_replays += 1
+                fused.num_replays += 1
                 return self._finish_step(rows, result, t0)
             out = self.runner.execute(rows, meta)
             result = self._verify(rows, out)

@@ -40,8 +40,8 @@ class NativeDecoder:
         self.num_main = model.num_main_layers
         self.dtype = weights.embed.dtype
         self.vocab = weights.dims["vocab"]
-        self._rope_len = 0
-        self._grow_rope(int(model.config.max_position_embeddings) + 64)
+        self.rope_len = 0
+        self.grow_rope(int(model.config.max_position_embeddings) + 64)
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -89,9 +89,9 @@ class NativeDecoder:
                  torch.get_num_threads(), dec.handle.summary(), dec.weights.formats())
         return dec
 
-    def _grow_rope(self, n: int) -> None:
+    def grow_rope(self, n: int) -> None:
         cos, sin = self.rope.cos_sin(torch.arange(n))
-        self.rope_cos, self.rope_sin, self._rope_len = cos.float().contiguous(), sin.float().contiguous(), n
+        self.rope_cos, self.rope_sin, self.rope_len = cos.float().contiguous(), sin.float().contiguous(), n
 
     # ---- serving -------------------------------------------------------------------------
     def accepts(self, meta: AttentionMetadata) -> bool:
@@ -99,8 +99,8 @@ class NativeDecoder:
         graph step), no autograd, at most MAX_TOKENS tokens."""
         if meta.query_start_i32 is None or torch.is_grad_enabled() or meta.query_start[-1] > MAX_TOKENS:
             return False
-        if max(meta.context_lens) > self._rope_len:
-            self._grow_rope(max(meta.context_lens) + 256)
+        if max(meta.context_lens) > self.rope_len:
+            self.grow_rope(max(meta.context_lens) + 256)
         return True
 
     def _call(self, first: int, num: int, ids: torch.Tensor, hidden: Optional[torch.Tensor],
@@ -109,10 +109,10 @@ class NativeDecoder:
                                                 self.rope_sin, meta.positions, meta.slot_mapping,
                                                 meta.query_start_i32, meta.block_tables_i32, meta.seqlens_i32,
                                                 final_norm)
-        return out if self.dtype == torch.float32 else out.to(self.dtype)
+        return out   # float32 whatever the weights: MTP inputs and logits see the unrounded hidden state
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]) -> torch.Tensor:
-        """The target model over a batch: ids [T] -> hidden [T, H] after the final norm."""
+        """The target model over a batch: ids [T] -> hidden [T, H] float32 after the final norm."""
         return self._call(0, self.num_main, ids, None, caches[:self.num_main], meta, True)
 
     def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,

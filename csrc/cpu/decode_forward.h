@@ -1,0 +1,44 @@
+// The native forward's entry points inside the extension (csrc/cpu/decode_cpu.cpp), shared by the ops that
+// run it: decode_forward, decode_logits, and the fused MTP step (mtp_step_cpu.cpp).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "decode_weights.h"
+
+namespace mtp_core {
+
+// The batch: T tokens in B rows (row b owns tokens [qstart[b], qstart[b+1]) at consecutive positions, the last
+// at ctx[b] - 1), paged cache addressing through tables [B, max_blocks], rope tables [max_pos, P/2].
+struct Batch {
+  int64_t T = 0, B = 0, max_blocks = 0, max_ctx = 0, page = 0;
+  const int64_t* positions = nullptr;
+  const int64_t* slots = nullptr;
+  const int32_t* qstart = nullptr;
+  const int32_t* tables = nullptr;
+  const int32_t* ctx = nullptr;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  std::vector<int32_t> row_of;   // [T]: the row of each token
+};
+
+// Layers [first_layer, first_layer + num_layers) over the batch (the caches, one per layer, written at
+// b.slots); tok [T] the token ids, mtp_hidden [T, H] for an MTP module's layer; out [T, H] fp32 after the
+// final norm (final_norm) or the last layer. Inputs must have been checked (nothing inside throws).
+void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_layers, const int64_t* tok,
+                    const float* mtp_hidden, const std::vector<at::Tensor>& caches, const Batch& b, bool final_norm,
+                    float* out);
+
+// logits y [T, vocab] = x [T, H] @ lm_head^T, batch-invariant, on the thread team.
+void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y);
+
+// The op mtp_core::mtp_step (mtp_step_cpu.cpp; registered with the others in decode_cpu.cpp).
+at::Tensor mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids,
+                        const at::Tensor& query_start, const at::Tensor& start, const at::Tensor& block_tables,
+                        const at::Tensor& num_drafts, at::TensorList caches, const at::Tensor& rope_cos,
+                        const at::Tensor& rope_sin, int64_t mtp_layer);
+
+}  // namespace mtp_core

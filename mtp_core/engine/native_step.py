@@ -1,0 +1,68 @@
+"""The decode step as one native call on the CPU (mtp_core::mtp_step, csrc/cpu/mtp_step_cpu.cpp): MTP Eagle,
+or the plain greedy step of an engine without MTP.
+
+The CPU twin of the static (CUDA-graph) step (graph_runner.py), with the same contract and the same engine
+hook: `step_for(rows)` says whether this batch can take it, `run(rows)` returns (emitted tokens per row,
+next drafts per row). Inside the one call: the target forward over every row's [t, d_1..d_k], greedy strict
+verification, Eagle forward 1 over the accepted tokens and the chain of drafts, each forward the
+batch-invariant native forward; so the tokens are exactly the eager engine's, and Python does O(1) work
+per step instead of a forward, a logits call and a metadata build per draft.
+
+Rows may carry different numbers of drafts (adaptive draft length). Out of scope (the step runs eagerly):
+prefill rows, sampled rows, relaxed acceptance in the thinking phase, MTP Vanilla, rows whose MTP caches
+lag, injected drafters and the overlap scheduler. Forward 1 runs for every row, also those that want no
+drafts, so the native step never leaves an MTP cache behind.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mtp_core.engine.scheduler import ScheduledRow
+from mtp_core.model import DeepseekV3ForCausalLM
+
+
+class NativeStep:
+    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int, tokens_per_block: int,
+                 relaxed: Optional[tuple[int, float]]) -> None:
+        self.model, self.caches, self.K, self.page = model, caches, K, tokens_per_block
+        self.native = model.native
+        self.mtp_layer = model.num_main_layers if K else -1  # Eagle: module 0; -1: no drafting (nextn = 0)
+        self.relaxed_on = relaxed is not None and relaxed[0] > 1 and relaxed[1] > 0
+        self.num_replays = 0
+
+    def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
+        """self when every row is a greedy strict decode row whose MTP caches are up to date, else None."""
+        if not rows:
+            return None
+        for r in rows:
+            s = r.seq
+            if (r.is_prefill or not s.params.greedy or len(r.token_ids) > self.K + 1
+                    or (self.K and (s.spec_off or s.mtp_valid != r.start or (self.relaxed_on and s.in_thinking)))):
+                return None
+        return self
+
+    def run(self, rows: list[ScheduledRow]) -> tuple[list[list[int]], list[list[int]]]:
+        ids = [t for r in rows for t in r.token_ids]
+        qs = [0]
+        for r in rows:
+            qs.append(qs[-1] + len(r.token_ids))
+        width = max(len(r.seq.block_table) for r in rows)
+        tables = torch.tensor([r.seq.block_table + [-1] * (width - len(r.seq.block_table)) for r in rows],
+                              dtype=torch.int32)
+        # K next drafts for every row, as the static step: the engine cuts them to each row's limit once the
+        # step is committed (the limit depends on what the step emits: finished requests, window pauses)
+        limits = [self.K] * len(rows)
+        ends = [r.start + len(r.token_ids) + max(n - 1, 0) for r, n in zip(rows, limits)]
+        nd = self.native
+        if max(ends) > nd.rope_len:
+            nd.grow_rope(max(ends) + 256)
+        out = torch.ops.mtp_core.mtp_step(
+            nd.handle, torch.tensor(ids, dtype=torch.long), torch.tensor(qs, dtype=torch.int32),
+            torch.tensor([r.start for r in rows], dtype=torch.long), tables, torch.tensor(limits, dtype=torch.int32),
+            self.caches, nd.rope_cos, nd.rope_sin, self.mtp_layer).tolist()
+        kmax = max(len(r.token_ids) for r in rows) - 1
+        tokens = [row[1:1 + row[0]] for row in out]
+        drafts = [row[2 + kmax: 2 + kmax + n] for row, n in zip(out, limits)]
+        return tokens, drafts

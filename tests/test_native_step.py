@@ -1,0 +1,89 @@
+"""The decode step as one native call on the CPU (mtp_core::mtp_step, engine/native_step.py): the CPU twin of
+the static CUDA-graph step, held to the same contract by the same checks (tests/test_cuda_graphs.py): token
+for token the general path's output, and every step's next drafts equal to the eager Eagle drafter's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PROMPTS, THINK_IDS, greedy, make_engine, reference, run_to_end
+from mtp_core import kernels
+from mtp_core.sampling import SamplingParams
+from test_cuda_graphs import drafts_per_step
+
+pytestmark = pytest.mark.skipif(not kernels.NATIVE.cpu, reason=kernels.NATIVE.summary)
+torch.set_num_threads(1)
+MAX_TOKENS = 24
+
+
+def engines(model, **kw):
+    """(general path, native step) engines with the same settings; the overlap scheduler off (it needs the
+    general path)."""
+    kw.setdefault("overlap_scheduler_on_cpu", False)
+    return make_engine(model, native_step=False, **kw), make_engine(model, native_step=True, **kw)
+
+
+@pytest.mark.parametrize("ckpt,K", [("tiny1", 0), ("tiny1", 1), ("tiny1", 3), ("tiny3", 2), ("tiny3", 4)])
+def test_native_step_is_token_exact_and_drafts_as_eager(models, ckpt, K) -> None:
+    """Batches of 1..4 rows, requests finishing at different times: the output equals greedy without MTP, and
+    every step's drafts and statistics equal the general path's."""
+    model = models[ckpt]
+    prompts = PROMPTS[:7]
+    params = [greedy(MAX_TOKENS - 3 * (i % 3)) for i in range(len(prompts))]
+    drafts, stats = [], []
+    for eng in engines(model, nextn=K, mode="eagle", max_batch_size=4):
+        drafts.append(drafts_per_step(eng))
+        seqs = run_to_end(eng, prompts, params)
+        for p, s, sp in zip(prompts, seqs, params):
+            assert s.output_ids == reference(model, p, sp.max_tokens)
+        stats.append((eng.stats.num_draft_proposed, eng.stats.num_draft_accepted, eng.num_steps))
+    assert eng.native_step is not None and eng.native_step.num_replays > 0
+    assert drafts[1] == drafts[0] and stats[1] == stats[0]
+    if K:
+        assert 0 < eng.stats.num_draft_accepted < eng.stats.num_draft_proposed
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+@pytest.mark.parametrize("spec", [dict(draft_len_schedule={1: 3, 2: 1, 4: 0}),
+                                  dict(acceptance_window=2, acceptance_length_threshold=3.5)])
+def test_native_step_with_per_row_draft_limits(models, spec) -> None:
+    """Rows with fewer drafts than K (a batch-size schedule, a paused window): ragged rows in one call, and
+    rows whose MTP caches lag take the general path until they catch up; output and drafts as eager."""
+    model = models["tiny3"]
+    prompts = PROMPTS[:6]
+    outs, drafts = [], []
+    for eng in engines(model, nextn=3, mode="eagle", max_batch_size=4, spec=spec):
+        drafts.append(drafts_per_step(eng))
+        outs.append([s.output_ids for s in run_to_end(eng, prompts, greedy(MAX_TOKENS))])
+    assert outs[0] == outs[1] == [reference(model, p, MAX_TOKENS) for p in prompts]
+    assert drafts[0] == drafts[1] and eng.native_step.num_replays > 0
+
+
+def test_relaxed_thinking_sampled_and_vanilla_take_the_general_path(models) -> None:
+    model = models["tiny1"]
+    spec = dict(use_relaxed_acceptance_for_thinking=True, relaxed_topk=5, relaxed_delta=0.3)
+    prompts = [[100, THINK_IDS[0], 200], [40, THINK_IDS[0], 41, 42]]
+    outs = []
+    for eng in engines(model, nextn=3, mode="eagle", max_batch_size=2, spec=spec):
+        outs.append([s.output_ids for s in run_to_end(eng, prompts, greedy(MAX_TOKENS))])
+    assert outs[0] == outs[1] and eng.native_step.num_replays == 0        # every row is thinking: relaxed
+    _, eng = engines(model, nextn=2, mode="eagle", max_batch_size=2)
+    run_to_end(eng, PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.8, seed=3))
+    assert eng.native_step.num_replays == 0
+    _, eng = engines(models["tiny3"], nextn=2, mode="vanilla", max_batch_size=2)
+    assert eng.native_step is None
+
+
+def test_native_step_refuses_bad_tables(models) -> None:
+    model = models["tiny1"]
+    _, eng = engines(model, nextn=2, mode="eagle", max_batch_size=1)
+    nd = model.native
+    args = dict(ids=torch.tensor([5, 6, 7]), qs=torch.tensor([0, 3], dtype=torch.int32), start=torch.tensor([40]),
+                nd_=torch.tensor([2], dtype=torch.int32))
+    table = torch.tensor([[0, -1, -1, -1, -1, -1, -1]], dtype=torch.int32)    # position 40 needs block 5
+    with pytest.raises(RuntimeError, match="not a cache block|beyond"):
+        torch.ops.mtp_core.mtp_step(nd.handle, args["ids"], args["qs"], args["start"], table, args["nd_"],
+                                    eng.caches, nd.rope_cos, nd.rope_sin, model.num_main_layers)
+    with pytest.raises(RuntimeError, match="mtp_layer"):
+        torch.ops.mtp_core.mtp_step(nd.handle, args["ids"], args["qs"], args["start"], table, args["nd_"],
+                                    eng.caches, nd.rope_cos, nd.rope_sin, 0)
