@@ -154,6 +154,8 @@ def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
                 from mtp_core.tokenizer import Tokenizer
 
                 engine = EngineProcess(cfg, level)
+                print(f"loading {cfg.model_dir} in the engine process (pid {engine.proc.pid})", file=sys.stderr,
+                      flush=True)
                 try:
                     tokenizer = Tokenizer.from_dir(cfg.model_dir)      # while the engine loads the model
                     engine.wait_ready()
