@@ -1,7 +1,7 @@
 """The API process's handle on the engine: `EngineProcess` (the default) or `InProcessEngine`.
 
-Both offer the same four calls: `send(command)` (thread-safe: the event loop and the output thread both
-send), `recv()` (blocking, for the one output thread; EOFError once the engine is gone), `close()` and
+Both offer the same four calls: `send(command)` (thread-safe and never blocking: the event loop and the
+output thread both send), `recv()` (blocking, for the one output thread; EOFError once the engine is gone), `close()` and
 `kill()`; `ready` holds what the engine reported once it had loaded (context length, pool size, vocab).
 
 `EngineProcess` runs the engine loop in a child process (`python -m mtp_core.serve.engine_proc`) over one
@@ -109,10 +109,24 @@ class EngineProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "mtp_core.serve.engine_proc", str(fd)],
                                      pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL)
         child.close()
-        self._lock = threading.Lock()
         self._conn.send_bytes(pickle.dumps((cfg, log_level)))
         self.ready: Optional[Ready] = None
         self._eof = False
+        # commands are written by one sender thread: neither the event loop nor the output thread ever
+        # blocks on a full socket (the engine reads between steps), and their order is kept
+        self._outbox: queue.Queue[Optional[bytes]] = queue.Queue()
+        self._sender = threading.Thread(target=self._send_loop, name="mtp-engine-send", daemon=True)
+        self._sender.start()
+
+    def _send_loop(self) -> None:
+        while True:
+            data = self._outbox.get()
+            if data is None:
+                return
+            try:
+                self._conn.send_bytes(data)
+            except OSError:      # the engine is gone: recv() reports it to the output thread
+                return
 
     def wait_ready(self, check: Callable[[], None] = lambda: None) -> Ready:
         """Blocks until the engine reports Ready; raises ValueError / RuntimeError with the engine's one-line
@@ -145,12 +159,7 @@ class EngineProcess:
         return not self._eof and self.proc.poll() is None
 
     def send(self, cmd: Command) -> None:
-        data = command_encoder.encode(cmd)
-        try:
-            with self._lock:
-                self._conn.send_bytes(data)
-        except OSError:          # the engine is gone: recv() reports it to the output thread
-            pass
+        self._outbox.put(command_encoder.encode(cmd))
 
     def recv(self) -> EngineMessage:
         try:
@@ -168,6 +177,7 @@ class EngineProcess:
             except subprocess.TimeoutExpired:
                 log.warning("the engine process did not stop within %.0f s; killing it", timeout)
                 self.kill()
+        self._outbox.put(None)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
