@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parent.parent
-ENGINE = ["--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "3"]
+ENGINE = ["--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "3"]     # + --num_threads from the flags
 
 
 def mtp(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -156,7 +156,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(REPO / "runs" / "serve_bench"))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip_throughput", action="store_true")
+    ap.add_argument("--num_threads", type=int, default=None,
+                    help="The engine's threads, offline and in serve alike (default: torch's choice).")
     args = ap.parse_args()
+    if args.num_threads:
+        ENGINE.extend(["--num_threads", str(args.num_threads)])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [] if args.skip_throughput else throughput(args, out)

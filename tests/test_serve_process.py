@@ -452,3 +452,15 @@ def test_engine_process_that_dies_fails_its_requests_with_503(tiny1_dir) -> None
         assert httpx.get(url + "/health", timeout=10).status_code == 503
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
         assert r.status_code == 503 and "the engine stopped" in r.json()["error"]["message"]
+
+
+def test_prompt_over_the_kv_pool_is_a_400_before_streaming(tiny1_dir) -> None:
+    app = build_app(LLM(llm_config(tiny1_dir, nextn=2, max_seq_len=512, max_tokens_kv=64)), "tiny")
+    with server_in_thread(app) as url:
+        for stream in (False, True):
+            r = httpx.post(url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": list(range(10, 110)), "max_tokens": 4, "stream": stream})
+            assert r.status_code == 400, r.text
+            assert "KV slots but the whole KV cache pool holds" in r.json()["error"]["message"]
+        ok = httpx.post(url + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": [10, 11], "max_tokens": 4})
+        assert ok.status_code == 200

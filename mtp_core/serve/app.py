@@ -35,7 +35,7 @@ from mtp_core.serve.messages import Add
 from mtp_core.serve.metrics import render_metrics
 from mtp_core.serve.outputs import OutputProcessor, RequestState, TextEvent
 from mtp_core.serve.prompts import LARGE_TEXT, PromptEncoder
-from mtp_core.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, _short, parse_body
+from mtp_core.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, short_repr, parse_body
 from mtp_core.serve.text import OutputText
 
 log = logging.getLogger("mtp.serve")
@@ -146,13 +146,13 @@ def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = No
 
     @app.exception_handler(404)
     async def _not_found(request: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(404, f"no route {request.method} {_short(request.url.path)}; see GET "
+        return JSONResponse(APIError(404, f"no route {request.method} {short_repr(request.url.path)}; see GET "
                                           "/v1/models, POST /v1/completions, POST /v1/chat/completions").body(),
                             status_code=404)
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(405, f"{request.method} is not allowed on {_short(request.url.path)}").body(),
+        return JSONResponse(APIError(405, f"{request.method} is not allowed on {short_repr(request.url.path)}").body(),
                             status_code=405)
 
     @app.get("/health")
@@ -241,7 +241,7 @@ def _check_common(state: ServerState, req: Any) -> None:
     if not _up(state):
         raise APIError(503, SHUTDOWN_MESSAGE if not state.accepting else "the engine stopped; retry later")
     if req.model != state.model_name:
-        raise APIError(404, f"the model {_short(req.model)} does not exist; this server serves {state.model_name!r} "
+        raise APIError(404, f"the model {short_repr(req.model)} does not exist; this server serves {state.model_name!r} "
                             "(see GET /v1/models)", param="model", code="model_not_found")
     bad = req.unsupported()
     if bad:
@@ -261,10 +261,11 @@ async def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "prompt is an empty list; give text or at least one token id", param="prompt")
+        _check_prompt_len(state, len(prompt), "prompt")             # before scanning a million ids
         vocab = state.engine.ready.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"prompt token id {_short(bad[0])} is outside the vocabulary [0, {vocab}); send "
+            raise APIError(400, f"prompt token id {short_repr(bad[0])} is outside the vocabulary [0, {vocab}); send "
                                 "valid ids", param="prompt")
         return list(prompt)
     if not prompt.strip():
@@ -275,20 +276,29 @@ async def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
     return await state.prompts.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))
 
 
+def _check_prompt_len(state: ServerState, prompt_len: int, param: str) -> None:
+    ready = state.engine.ready
+    if prompt_len >= ready.max_seq_len:
+        raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context (max_seq_len) is "
+                            f"{ready.max_seq_len}; shorten the prompt", param=param, code="context_length_exceeded")
+    need = prompt_len + 1 + 2 * ready.num_draft_tokens
+    if need > ready.pool_tokens:               # what Engine.add_request would refuse, answered before streaming
+        raise APIError(400, f"the prompt needs {need} KV slots but the whole KV cache pool holds {ready.pool_tokens}; "
+                            "shorten the prompt (or start the server with a larger kv_cache_config.max_tokens)",
+                       param=param, code="context_length_exceeded")
+
+
 def _sampling(state: ServerState, req: Any, max_tokens: Optional[int], prompt_len: int,
               default_max: Optional[int]) -> SamplingParams:
     max_len = state.max_seq_len
-    if prompt_len >= max_len:
-        raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context (max_seq_len) is {max_len}; "
-                            "shorten the prompt", param="messages" if default_max is None else "prompt",
-                       code="context_length_exceeded")
+    _check_prompt_len(state, prompt_len, "messages" if default_max is None else "prompt")
     room = max_len - prompt_len
     if max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
     elif max_tokens < 1:
-        raise APIError(400, f"max_tokens must be >= 1, got {_short(max_tokens)}", param="max_tokens")
+        raise APIError(400, f"max_tokens must be >= 1, got {short_repr(max_tokens)}", param="max_tokens")
     elif max_tokens > room:
-        raise APIError(400, f"max_tokens is {_short(max_tokens)} but the prompt ({prompt_len} tokens) leaves room for "
+        raise APIError(400, f"max_tokens is {short_repr(max_tokens)} but the prompt ({prompt_len} tokens) leaves room for "
                             f"{room} in the model's context of {max_len}; lower max_tokens",
                        param="max_tokens", code="context_length_exceeded")
     d = state.defaults

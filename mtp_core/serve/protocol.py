@@ -35,7 +35,7 @@ SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1      # what torch.Generator.manual_se
 MAX_STOP_STRINGS = 64                           # each one is searched for after every engine step
 
 
-def _short(v: Any, n: int = 60) -> str:
+def short_repr(v: Any, n: int = 60) -> str:
     """A value for an error message: its repr, cut to n characters."""
     r = repr(v)
     return r if len(r) <= n else r[:n - 3] + "..."
@@ -66,9 +66,9 @@ class _Common(_Strict):
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for a known field set to a value this server cannot honour."""
         if self.n != 1:
-            return "n", f"n={_short(self.n)} is not supported (one choice per request); send n=1 or omit it, and repeat the request for more choices"
+            return "n", f"n={short_repr(self.n)} is not supported (one choice per request); send n=1 or omit it, and repeat the request for more choices"
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
-            return "seed", f"seed must be an integer in [-2^63, 2^64 - 1], got {_short(self.seed)}"
+            return "seed", f"seed must be an integer in [-2^63, 2^64 - 1], got {short_repr(self.seed)}"
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             return "stop", f"stop holds {len(stops)} strings; send at most {MAX_STOP_STRINGS}"
