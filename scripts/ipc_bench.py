@@ -104,7 +104,18 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     small = b"x" * 64
 
-    # zmq + msgspec
+    # zmq + msgspec (pyzmq is not a dependency of mtp: `pip install pyzmq` to include it)
+    try:
+        import zmq
+    except ImportError:
+        zmq = None
+        print("zmq+msgspec   skipped: pyzmq is not installed")
+    if zmq is not None:
+        zmq_run(ctx, args, small)
+    pipes_and_queue(ctx, args, small)
+
+
+def zmq_run(ctx, args, small: bytes) -> None:
     import zmq
     d = tempfile.mkdtemp(prefix="mtp-ipc-")
     a, b = f"ipc://{d}/a", f"ipc://{d}/b"
@@ -125,6 +136,8 @@ def main() -> None:
     report("zmq+msgspec", rtt, time.perf_counter() - t, args.bulk)
     tx.send(b"quit"); p.join()
 
+
+def pipes_and_queue(ctx, args, small: bytes) -> None:
     # pipes
     for name, use_pickle in (("pipe+msgspec", False), ("pipe+pickle", True)):
         parent, child = ctx.Pipe()

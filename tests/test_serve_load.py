@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 
 from cli.common import DEFAULT_MODEL_DIR
 from conftest import llm_config
