@@ -27,7 +27,8 @@ setup(
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "typer>=0.12", "rich", "pyyaml", "safetensors", "tokenizers", "jinja2",
-                      "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27"],   # `mtp serve`, `mtp bench --base_url`
+                      "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27",    # `mtp serve`, `mtp bench --base_url`
+                      "msgspec>=0.18"],                                     # serve: API <-> engine process messages
     extras_require={
         "test": ["pytest", "hypothesis", "transformers>=4.57", "openai>=1.40", "httpx>=0.27"],
         "peers": ["transformers>=4.57"],

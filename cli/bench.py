@@ -130,13 +130,18 @@ def bench_command(
     base_url: Optional[str] = typer.Option(None, "--base_url",
                                            help="Benchmark a running `mtp serve` (OpenAI API) at this URL over HTTP "
                                                 "instead of loading the model here."),
+    api_key: Optional[str] = typer.Option(None, "--api_key", envvar="MTP_API_KEY", show_envvar=True,
+                                          help="With --base_url: send 'Authorization: Bearer KEY' (default: "
+                                               "$MTP_API_KEY)."),
 ) -> None:
     setup_logging(log_level)
 
     def run() -> None:
         if base_url is not None:
             return _run_http(ctx, base_url, dataset, num_requests, concurrency, warmup, ignore_eos, report_json,
-                             request_json)
+                             request_json, api_key)
+        if "api_key" in explicit_flags(ctx):
+            raise ValueError("--api_key is for a server; use it with --base_url")
         from mtp_core.bench.dataset import encode_request, load_dataset
         from mtp_core.bench.metrics import decode_acceptance_length, decode_step_time_s
         from mtp_core.bench.progress import request_progress
@@ -193,7 +198,8 @@ def bench_command(
 
 
 def _run_http(ctx: typer.Context, base_url: str, dataset: Path, num_requests: int, concurrency: int, warmup: int,
-              ignore_eos: bool, report_json: Optional[Path], request_json: Optional[Path]) -> None:
+              ignore_eos: bool, report_json: Optional[Path], request_json: Optional[Path],
+              api_key: Optional[str] = None) -> None:
     """Client mode: the same report, measured over HTTP against a running server."""
     from mtp_core.bench.dataset import load_dataset
     from mtp_core.bench.http_client import build_http_report, get_json, run_http_requests, served_model
@@ -202,7 +208,7 @@ def _run_http(ctx: typer.Context, base_url: str, dataset: Path, num_requests: in
 
     engine_only = [f for f in explicit_flags(ctx) if f not in (
         "dataset", "num_requests", "concurrency", "warmup", "ignore_eos", "report_json", "request_json",
-        "log_level", "base_url", "num_threads", "streaming")]   # over HTTP every request streams
+        "log_level", "base_url", "num_threads", "streaming", "api_key")]   # over HTTP every request streams
     if engine_only:
         raise ValueError(f"--{engine_only[0]} configures a local engine; with --base_url the server's settings "
                          "apply (pass it to `mtp serve`)")
@@ -216,13 +222,15 @@ def _run_http(ctx: typer.Context, base_url: str, dataset: Path, num_requests: in
     requests = load_dataset(dataset)
     in_file = len(requests)
     requests = requests[:num_requests] if num_requests else requests
-    info = get_json(base_url, "/server_info")
-    model = served_model(base_url)
+    info = get_json(base_url, "/server_info", api_key)
+    model = served_model(base_url, api_key)
     jobs = [(r.task_id, r.input_ids if r.input_ids is not None else r.prompt, r.output_tokens) for r in requests]
     if warmup:
-        run_http_requests(base_url, [jobs[i % len(jobs)] for i in range(warmup)], concurrency, ignore_eos, model)
+        run_http_requests(base_url, [jobs[i % len(jobs)] for i in range(warmup)], concurrency, ignore_eos, model,
+                          api_key=api_key)
     with request_progress(len(jobs), "bench") as advance:
-        results = run_http_requests(base_url, jobs, concurrency, ignore_eos, model, on_finish=advance)
+        results = run_http_requests(base_url, jobs, concurrency, ignore_eos, model, on_finish=advance,
+                                    api_key=api_key)
     records = [r for r, _ in results]
     lengths = [range(r.num_input_tokens) for r in records]          # dataset_info needs only the lengths
     ds = dataset_info(str(dataset), in_file, lengths, [r.output_tokens for r in requests],  # type: ignore[arg-type]

@@ -2,18 +2,23 @@
 
 Takes every engine flag of `mtp quickstart` (and its YAML, `--extra_llm_api_options`), minus the
 per-prompt ones (prompts, max_tokens, sampling: those come with each request), plus the server's own.
-stderr carries the logs and one `serving <model> on http://HOST:PORT` line once the socket accepts
-connections. Exit codes: 0 after SIGTERM / Ctrl-C (graceful), 2 a usage or configuration error (bad flag,
-YAML, checkpoint, port in use), 1 a runtime error.
+The engine runs in its own process (`--engine_in_thread` keeps it in this one); chunked prefill is on
+unless `--disable_chunked_prefill`. stderr carries the logs and one `serving <model> on http://HOST:PORT`
+line once the socket accepts connections. Exit codes: 0 after SIGTERM / Ctrl-C (graceful, or during
+loading), 128 + the signal's number after a second signal (forced), 2 a usage or configuration error (bad
+flag, YAML, checkpoint, port in use), 1 a runtime error.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
+import os
+import signal
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import typer
 
@@ -22,6 +27,8 @@ from cli.quickstart import quickstart_command
 
 log = logging.getLogger("mtp.cli")
 
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024   # = mtp_core.serve.app.DEFAULT_MAX_REQUEST_BYTES (not imported:
+SERVE_PREFILL_CHUNK = 256                      # `mtp --help` must stay light); see docs/serving.md for 256
 # quickstart flags that belong to a request, not to the server
 PER_REQUEST = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "apply_chat_template")
 
@@ -39,7 +46,19 @@ def _serve_options() -> list[inspect.Parameter]:
             None, "--reasoning_parser", help="deepseek-r1: chat text inside <think>...</think> goes to "
                                              "reasoning_content.")),
         inspect.Parameter("shutdown_timeout", kw, annotation=float, default=typer.Option(
-            10.0, "--shutdown_timeout", help="Seconds in-flight requests get to finish after SIGTERM / Ctrl-C.")),
+            10.0, "--shutdown_timeout", help="Seconds in-flight requests get to finish after SIGTERM / Ctrl-C; "
+                                             "the rest get a 503.")),
+        inspect.Parameter("api_key", kw, annotation=Optional[str], default=typer.Option(
+            None, "--api_key", envvar="MTP_API_KEY", show_envvar=True,
+            help="Require 'Authorization: Bearer KEY' on /v1/* (default: $MTP_API_KEY; unset = no key).")),
+        inspect.Parameter("allowed_origins", kw, annotation=Optional[str], default=typer.Option(
+            None, "--allowed_origins", help="CORS: comma-separated origins browsers may call from "
+                                            "(e.g. http://localhost:3000), or * (default: none).")),
+        inspect.Parameter("max_request_bytes", kw, annotation=int, default=typer.Option(
+            DEFAULT_MAX_REQUEST_BYTES, "--max_request_bytes", help="Largest request body; larger ones get 413.")),
+        inspect.Parameter("engine_in_thread", kw, annotation=bool, default=typer.Option(
+            False, "--engine_in_thread", help="Run the engine loop in a thread of the HTTP process instead of its "
+                                              "own process (debugging; HTTP work then takes the engine's time).")),
     ]
 
 
@@ -58,6 +77,12 @@ def serve_command(ctx: typer.Context, **flags: Any) -> None:
 def _build_signature() -> None:
     base = inspect.signature(quickstart_command, eval_str=True)
     ps = [p for name, p in base.parameters.items() if name not in PER_REQUEST]
+    # serving interleaves long prompts with the running streams: chunked prefill is on by default here
+    ps = [p.replace(default=typer.Option(True, "--enable_chunked_prefill/--disable_chunked_prefill",
+                                         help="Prefill long prompts in chunks between decode steps (on in serve; "
+                                              f"without --max_num_tokens a step holds max_batch_size x (K+1) + "
+                                              f"{SERVE_PREFILL_CHUNK} tokens)."))
+          if p.name == "enable_chunked_prefill" else p for p in ps]
     ps = ps[:1] + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in ps[1:]] + _serve_options()
     serve_command.__signature__ = base.replace(parameters=ps)          # type: ignore[attr-defined]
     serve_command.__annotations__ = {p.name: p.annotation for p in ps} | {"return": None}
@@ -66,10 +91,27 @@ def _build_signature() -> None:
 _build_signature()
 
 
+class _Interrupted(Exception):
+    def __init__(self, sig: int) -> None:
+        super().__init__(signal.Signals(sig).name)
+        self.sig = sig
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """While the model loads: SIGINT / SIGTERM raise _Interrupted (one line, exit 0; no traceback)."""
+    def handler(sig: int, frame: Any) -> None:
+        raise _Interrupted(sig)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
-    from mtp_core.bench.report import engine_info, machine_info, mode_name, world_info
-    from mtp_core.llm import LLM
-    from mtp_core.serve.app import REASONING_PARSERS, build_app
+    from mtp_core.serve.app import REASONING_PARSERS, ServeOptions, build_app
     from mtp_core.serve.server import bind, serve
 
     if p["trust_remote_code"]:
@@ -84,19 +126,48 @@ def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
     if p["tp_size"] != 1 or p["moe_ep_size"] not in (-1, 1):
         raise ValueError("mtp serve runs one process; drop --tp_size / --moe_ep_size (tensor and expert "
                          "parallel serving is not supported yet)")
+    origins = [o.strip() for o in (p["allowed_origins"] or "").split(",") if o.strip()]
+    options = ServeOptions(api_key=p["api_key"], allowed_origins=origins, max_request_bytes=p["max_request_bytes"])
+    options.validate()
     full = dict(p)
     full.update({k: None for k in ("prompt", "seed")}, max_tokens=1, temperature=0.0, top_k=0, top_p=1.0,
                 apply_chat_template=False)
     cfg = build_llm_config(full, explicit)
+    if cfg.enable_chunked_prefill and "max_num_tokens" not in explicit:
+        k = cfg.speculative_config.max_draft_len if cfg.speculative_config else 0
+        cfg.max_num_tokens = cfg.max_batch_size * (k + 1) + SERVE_PREFILL_CHUNK
     sock = bind(p["host"], p["port"])          # before loading: a busy port fails fast
-    iter_log = (lambda s: print(s, file=sys.stderr)) if cfg.print_iter_log else None
-    llm = LLM(cfg, iter_log=iter_log)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     name = p["served_model_name"] or Path(cfg.model_dir).name
-    info = {"engine": engine_info(cfg, llm.model), "machine": machine_info(cfg.device),
-            "world_info": world_info(cfg, 0), "mode": mode_name(cfg, llm.model.num_mtp_modules),
-            "max_draft_len": cfg.speculative_config.max_draft_len if cfg.speculative_config else 0,
-            "max_seq_len": llm.engine.max_seq_len}
-    app = build_app(llm, name, p["reasoning_parser"], info=info)
+    level = str(p["log_level"])
+    try:
+        with _signals_raise():
+            if p["engine_in_thread"]:
+                from mtp_core.llm import LLM
+                from mtp_core.serve.engine_proc import server_info
+
+                iter_log = (lambda s: print(s, file=sys.stderr)) if cfg.print_iter_log else None
+                llm = LLM(cfg, iter_log=iter_log)
+                app = build_app(llm, name, p["reasoning_parser"], info=server_info(cfg, llm), options=options)
+            else:
+                from mtp_core.serve.engine_client import EngineProcess
+                from mtp_core.tokenizer import Tokenizer
+
+                engine = EngineProcess(cfg, level)
+                print(f"loading {cfg.model_dir} in the engine process (pid {engine.proc.pid})", file=sys.stderr,
+                      flush=True)
+                try:
+                    tokenizer = Tokenizer.from_dir(cfg.model_dir)      # while the engine loads the model
+                    engine.wait_ready()
+                    app = build_app(engine, name, p["reasoning_parser"], tokenizer=tokenizer,
+                                    model_dir=cfg.model_dir, options=options)
+                except BaseException:
+                    engine.kill()
+                    raise
+    except _Interrupted as e:
+        sock.close()
+        print(f"stopped: {e} arrived while the model was loading", file=sys.stderr, flush=True)
+        raise typer.Exit(0) from None
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
 
@@ -104,5 +175,5 @@ def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
         print(f"serving {name} on http://{shown}:{port} (OpenAI API under /v1; Ctrl-C to stop)", file=sys.stderr,
               flush=True)
 
-    serve(app, sock, p["shutdown_timeout"], "debug" if p["log_level"] == "debug" else "warning", on_ready=ready)
+    serve(app, sock, p["shutdown_timeout"], "debug" if level == "debug" else "warning", on_ready=ready)
     print("server stopped", file=sys.stderr, flush=True)

@@ -164,6 +164,18 @@ class Tokenizer:
             ids = ids + [self._eos_ids[0]]
         return ids
 
+    def encode_released(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, releasing the GIL while the Rust tokenizer runs (`tokenizers`' batch call does; its
+        single-text call does not), so other Python threads go on meanwhile; the same ids as `encode`."""
+        if not self._explicit:
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids = self._tok.encode_batch([text], add_special_tokens=False)[0].ids
+        if add_special_tokens and self.add_bos_token:
+            ids = [self._bos_id] + ids
+        if add_special_tokens and self.add_eos_token:
+            ids = ids + [self._eos_ids[0]]
+        return ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 

@@ -181,7 +181,7 @@ def test_models_health_and_metrics_format(servers) -> None:
                  "mtp_prefix_cache_hits_tokens_total", "mtp_prefix_cache_token_hit_rate"):
         assert f"# TYPE {name.removesuffix('_count')} " in text, name
     for line in text.splitlines():               # every sample line: name{labels} number
-        assert line.startswith("#") or re.fullmatch(r'[a-z_]+\{[^}]*\} -?[0-9.e+-]+', line), line
+        assert line.startswith("#") or re.fullmatch(r'[a-z_][a-z0-9_]*\{[^}]*\} -?[0-9.e+-]+', line), line
 
 
 # ---- bad input: OpenAI error objects, right status, one line; the server keeps serving -----------
@@ -251,7 +251,7 @@ def test_openai_client_raises_typed_errors(servers) -> None:
 
 def test_clients_disconnecting_mid_stream_are_aborted(servers, offline, monkeypatch) -> None:
     url = servers["mtp"]
-    eng = url.state.loop.engine
+    eng = url.state.engine.llm.engine
     step = eng.step
 
     def paced_step():
@@ -303,7 +303,7 @@ def test_clients_disconnecting_mid_stream_are_aborted(servers, offline, monkeypa
 
 def test_non_streaming_client_that_leaves_is_aborted(servers, monkeypatch) -> None:
     url = servers["mtp"]
-    eng = url.state.loop.engine
+    eng = url.state.engine.llm.engine
     step = eng.step
 
     def slow_step():
@@ -375,7 +375,7 @@ def test_request_whose_output_processing_raises_fails_alone(servers, offline, mo
 
 def test_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(servers, offline, monkeypatch) -> None:
     url = servers["mtp"]
-    runner = url.state.loop.engine.runner
+    runner = url.state.engine.llm.engine.runner
     execute = runner.execute
     armed = [True]
 
@@ -399,7 +399,7 @@ def test_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(serve
 
 def test_unexpected_handler_error_is_a_500_object_without_traceback(servers, monkeypatch, caplog) -> None:
     url = servers["mtp"]
-    tok = url.state.llm.tokenizer
+    tok = url.state.tokenizer
 
     def broken(*a, **k):
         raise RuntimeError("template engine on fire")

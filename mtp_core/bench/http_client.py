@@ -6,7 +6,7 @@ on the client: submission = just before the request is sent, first token = the f
 text, every later event = a chunk (ITL), end = the final event. Token counts come from the response's
 `usage`, the speculative statistics from its `spec_decode_stats` (an extension of `mtp serve`; other
 servers give none). The report has the offline report's sections and fields; engine, machine and world
-come from the server's GET /server_info.
+come from the server's GET /server_info. With an API key, every request carries `Authorization: Bearer KEY`.
 """
 from __future__ import annotations
 
@@ -81,8 +81,13 @@ async def _one(client: Any, url: str, model: str, index: int, task_id: Any, prom
     return rec, "".join(text)
 
 
+def _headers(api_key: Optional[str]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 async def _run(base_url: str, model: str, requests: list[tuple[Any, Any, int]], concurrency: int,
-               ignore_eos: bool, on_finish: Optional[Callable[[RequestRecord], None]]) -> list[tuple[RequestRecord, str]]:
+               ignore_eos: bool, on_finish: Optional[Callable[[RequestRecord], None]],
+               api_key: Optional[str] = None) -> list[tuple[RequestRecord, str]]:
     import httpx
 
     url = base_url.rstrip("/") + "/v1/completions"
@@ -90,7 +95,8 @@ async def _run(base_url: str, model: str, requests: list[tuple[Any, Any, int]], 
     limits = httpx.Limits(max_connections=n + 1, max_keepalive_connections=n + 1)
     out: list[Optional[tuple[RequestRecord, str]]] = [None] * len(requests)
     nxt = iter(range(len(requests)))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits,
+                                 headers=_headers(api_key)) as client:
         async def worker() -> None:
             for i in nxt:
                 task_id, prompt, max_tokens = requests[i]
@@ -101,32 +107,35 @@ async def _run(base_url: str, model: str, requests: list[tuple[Any, Any, int]], 
     return [o for o in out if o is not None]
 
 
-def get_json(base_url: str, path: str) -> Any:
+def get_json(base_url: str, path: str, api_key: Optional[str] = None) -> Any:
     import httpx
 
     try:
-        r = httpx.get(base_url.rstrip("/") + path, timeout=10.0)
+        r = httpx.get(base_url.rstrip("/") + path, timeout=10.0, headers=_headers(api_key))
     except httpx.HTTPError as e:
         raise ValueError(f"cannot reach the server at {base_url} ({e}); start it with `mtp serve` or fix "
                          "--base_url") from None
+    if r.status_code == 401:
+        raise ValueError(f"GET {path}: HTTP 401: {_error_text(r.content)} (pass the server's key with --api_key or "
+                         "MTP_API_KEY)")
     if r.status_code != 200:
         raise ServerError(f"GET {path}: HTTP {r.status_code}: {_error_text(r.content)}")
     return r.json()
 
 
-def served_model(base_url: str) -> str:
-    data = get_json(base_url, "/v1/models").get("data") or []
+def served_model(base_url: str, api_key: Optional[str] = None) -> str:
+    data = get_json(base_url, "/v1/models", api_key).get("data") or []
     if not data:
         raise ServerError(f"{base_url}/v1/models lists no model")
     return data[0]["id"]
 
 
 def run_http_requests(base_url: str, requests: list[tuple[Any, Any, int]], concurrency: int, ignore_eos: bool = True,
-                      model: Optional[str] = None, on_finish: Optional[Callable[[RequestRecord], None]] = None
-                      ) -> list[tuple[RequestRecord, str]]:
+                      model: Optional[str] = None, on_finish: Optional[Callable[[RequestRecord], None]] = None,
+                      api_key: Optional[str] = None) -> list[tuple[RequestRecord, str]]:
     """requests: (task_id, prompt text or token ids, output tokens). -> (record, text) per request, in order."""
-    model = model or served_model(base_url)
-    return asyncio.run(_run(base_url, model, requests, concurrency, ignore_eos, on_finish))
+    model = model or served_model(base_url, api_key)
+    return asyncio.run(_run(base_url, model, requests, concurrency, ignore_eos, on_finish, api_key))
 
 
 def build_http_report(records: list[RequestRecord], info: dict, concurrency: int, dataset: dict,

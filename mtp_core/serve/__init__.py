@@ -1,1 +1,2 @@
-"""The OpenAI-compatible HTTP server (`mtp serve`): one engine loop thread, FastAPI + uvicorn in front."""
+"""The OpenAI-compatible HTTP server (`mtp serve`): FastAPI + uvicorn in the API process, the engine in its own
+process (docs/serving.md)."""

@@ -1,47 +1,92 @@
-"""The FastAPI application: OpenAI-compatible endpoints over one EngineLoop.
+"""The FastAPI application: OpenAI-compatible endpoints over an engine client.
 
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions (with `stream: true`: server-sent events
 ending in `data: [DONE]`), GET /health, GET /metrics (Prometheus text), GET /server_info (what `mtp bench
 --base_url` puts in its report). Every error is an OpenAI error object with a one-line message.
+
+Around the routes (outermost first): an error guard (an unexpected exception is a 500 object, never a
+traceback), CORS (`allowed_origins`, browser preflights answered before the key check), `X-Request-Id`
+(taken from the request or generated, echoed on every response, named in the log), the API key (Bearer
+token on /v1/*), the request-body limit (413). A handler parses, validates and tokenizes (in worker threads,
+see prompts.py), registers the request with the output thread (outputs.py) and sends it to the engine;
+it then only formats and writes the text events that arrive.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from mtp_core.sampling import SamplingParams
-from mtp_core.serve.engine_loop import EngineLoop, Event, RequestHandle
+from mtp_core.serve.engine_client import InProcessEngine
+from mtp_core.serve.engine_core import SHUTDOWN_MESSAGE
+from mtp_core.serve.messages import Add
 from mtp_core.serve.metrics import render_metrics
-from mtp_core.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from mtp_core.serve.outputs import OutputProcessor, RequestState, TextEvent
+from mtp_core.serve.prompts import LARGE_TEXT, PromptEncoder
+from mtp_core.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, short_repr, parse_body
 from mtp_core.serve.text import OutputText
 
 log = logging.getLogger("mtp.serve")
 
 REASONING_PARSERS = ("deepseek-r1",)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
+
+
+@dataclass
+class ServeOptions:
+    """The server's own settings (the engine's come with the engine)."""
+    api_key: Optional[str] = None
+    allowed_origins: Sequence[str] = ()
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+    def validate(self) -> None:
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"--max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api_key (or MTP_API_KEY) is empty; give a key or leave it unset")
+        for o in self.allowed_origins:
+            if o != "*" and not re.fullmatch(r"https?://[^/\s]+", o):
+                raise ValueError(f"--allowed_origins entry {o!r} is not an origin; use scheme://host[:port] "
+                                 "(no path), or *")
 
 
 @dataclass
 class ServerState:
-    llm: Any
-    loop: EngineLoop
+    engine: Any                                  # EngineProcess | InProcessEngine
+    tokenizer: Any
+    prompts: PromptEncoder
+    outputs: OutputProcessor
     model_name: str
     reasoning_parser: Optional[str]
     defaults: dict[str, Any]
     created: int
+    options: ServeOptions
+    info: dict = field(default_factory=dict)
     accepting: bool = True
-    info: Optional[dict] = None
     output_text: Callable[..., OutputText] = OutputText     # tests may wrap it to inject a per-request fault
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.ready.max_seq_len
+
+    def cut(self) -> int:
+        """Shutdown past --shutdown_timeout: every unfinished request gets its 503 now."""
+        self.accepting = False
+        return self.outputs.cut_all(503, SHUTDOWN_MESSAGE)
 
 
 def generation_defaults(model_dir: str) -> dict[str, Any]:
@@ -59,28 +104,41 @@ def generation_defaults(model_dir: str) -> dict[str, Any]:
     return out
 
 
-def build_app(llm: Any, model_name: str, reasoning_parser: Optional[str] = None,
-              info: Optional[dict] = None) -> FastAPI:
+def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = None, info: Optional[dict] = None,
+              tokenizer: Any = None, model_dir: Optional[str] = None,
+              options: Optional[ServeOptions] = None) -> FastAPI:
+    """engine: an EngineProcess (its `ready` set), or an LLM, which is then run by an InProcessEngine."""
+    if hasattr(engine, "generate"):                          # an LLM: serve it from a thread of this process
+        tokenizer = tokenizer or engine.tokenizer
+        model_dir = model_dir or engine.config.model_dir
+        engine = InProcessEngine(engine, info)
+    if tokenizer is None or model_dir is None:
+        raise ValueError("build_app needs the tokenizer and the model directory with an EngineProcess")
+    options = options or ServeOptions()
+    options.validate()
     if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
         raise ValueError(f"--reasoning_parser {reasoning_parser!r} is unknown; use {', '.join(REASONING_PARSERS)}")
-    if reasoning_parser and llm.tokenizer.think_token_ids() is None:
+    if reasoning_parser and tokenizer.think_token_ids() is None:
         raise ValueError("--reasoning_parser deepseek-r1 needs <think> and </think> tokens, but the tokenizer has "
                          "neither; drop --reasoning_parser")
-    state = ServerState(llm, EngineLoop(llm), model_name, reasoning_parser,
-                        generation_defaults(llm.config.model_dir), int(time.time()), info=info)
+    state = ServerState(engine, tokenizer, PromptEncoder(tokenizer, model_dir, engine.ready.max_seq_len),
+                        OutputProcessor(engine), model_name, reasoning_parser, generation_defaults(model_dir),
+                        int(time.time()), options, info=dict(info or engine.ready.server_info or {}))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state.loop.start()
+        state.engine.start()
+        state.outputs.start()
         try:
             yield
         finally:
-            state.accepting = False
-            await asyncio.to_thread(state.loop.stop)
+            state.cut()
+            await asyncio.to_thread(state.engine.close)
+            await asyncio.to_thread(state.outputs.join, 10.0)
+            state.prompts.close()
 
     app = FastAPI(title="mtp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.mtp = state
-    app.add_middleware(_QuietCancel)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -88,17 +146,18 @@ def build_app(llm: Any, model_name: str, reasoning_parser: Optional[str] = None,
 
     @app.exception_handler(404)
     async def _not_found(request: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}; see GET /v1/models, "
-                                          "POST /v1/completions, POST /v1/chat/completions").body(), status_code=404)
+        return JSONResponse(APIError(404, f"no route {request.method} {short_repr(request.url.path)}; see GET "
+                                          "/v1/models, POST /v1/completions, POST /v1/chat/completions").body(),
+                            status_code=404)
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}").body(),
+        return JSONResponse(APIError(405, f"{request.method} is not allowed on {short_repr(request.url.path)}").body(),
                             status_code=405)
 
     @app.get("/health")
     async def health() -> Response:
-        if not state.loop.alive or not state.accepting:
+        if not _up(state):
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -106,20 +165,21 @@ def build_app(llm: Any, model_name: str, reasoning_parser: Optional[str] = None,
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "mtp",
-            "root": str(llm.config.model_dir), "max_model_len": llm.engine.max_seq_len}]})
+            "root": str(model_dir), "max_model_len": state.max_seq_len}]})
 
     @app.get("/server_info")
     async def server_info() -> JSONResponse:
-        return JSONResponse(state.info or {})
+        return JSONResponse(state.info)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(state.loop, state.model_name),
+        return PlainTextResponse(render_metrics(state.outputs.metrics, state.outputs.engine_stats, state.model_name),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_body(await request.body(), CompletionRequest)
+        arrival = time.perf_counter()
+        req = await _parse(state, await request.body(), CompletionRequest)
         _check_common(state, req)
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -127,82 +187,128 @@ def build_app(llm: Any, model_name: str, reasoning_parser: Optional[str] = None,
                 raise APIError(400, f"prompt holds {len(prompt)} prompts; send one prompt per request",
                                param="prompt")
             prompt = prompt[0]
-        ids = _prompt_ids(state, prompt)
+        ids = await _prompt_ids(state, prompt)
         params = _sampling(state, req, req.max_tokens, len(ids), COMPLETIONS_DEFAULT_MAX_TOKENS)
-        return await _generate(state, request, req, ids, params, chat=False)
+        return await _generate(state, request, req, ids, params, chat=False, arrival=arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_body(await request.body(), ChatCompletionRequest)
+        arrival = time.perf_counter()
+        req = await _parse(state, await request.body(), ChatCompletionRequest)
         _check_common(state, req)
         if req.max_tokens is not None and req.max_completion_tokens is not None \
                 and req.max_tokens != req.max_completion_tokens:
             raise APIError(400, "max_tokens and max_completion_tokens differ; send one of them", param="max_tokens")
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        size = sum(len(m["content"]) for m in messages)
+        _check_min_tokens(state, size, "messages")
         try:
-            text = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = await state.prompts.encode_chat(messages, size)
         except ValueError as e:
             raise APIError(400, str(e).splitlines()[0], param="messages") from None
-        ids = llm.tokenizer.encode(text, add_special_tokens=False)     # the template has the BOS already
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling(state, req, max_tokens, len(ids), None)
-        return await _generate(state, request, req, ids, params, chat=True)
+        return await _generate(state, request, req, ids, params, chat=True, arrival=arrival)
 
+    # outermost last: guard -> CORS -> request id -> API key -> body limit -> routes
+    app.add_middleware(_BodyLimit, limit=options.max_request_bytes)
+    app.add_middleware(_ApiKey, key=options.api_key)
+    app.add_middleware(_RequestId)
+    if options.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"], max_age=600)
+    app.add_middleware(_QuietCancel)
     return app
+
+
+def _up(state: ServerState) -> bool:
+    return state.accepting and state.engine.alive and not state.outputs.gone
 
 
 # ---- request -> engine --------------------------------------------------------------------------
 
+async def _parse(state: ServerState, raw: bytes, model: type) -> Any:
+    if len(raw) > LARGE_TEXT:                 # a big body: parse it where a big prompt would be tokenized
+        return await state.prompts.run(lambda: parse_body(raw, model), len(raw))
+    return parse_body(raw, model)
+
+
 def _check_common(state: ServerState, req: Any) -> None:
-    if not state.accepting or not state.loop.alive:
-        raise APIError(503, "the server is shutting down; retry later")
+    if not _up(state):
+        raise APIError(503, SHUTDOWN_MESSAGE if not state.accepting else "the engine stopped; retry later")
     if req.model != state.model_name:
-        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {state.model_name!r} "
+        raise APIError(404, f"the model {short_repr(req.model)} does not exist; this server serves {state.model_name!r} "
                             "(see GET /v1/models)", param="model", code="model_not_found")
     bad = req.unsupported()
     if bad:
         raise APIError(400, bad[1], param=bad[0])
 
 
-def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
-    tok = state.llm.tokenizer
+def _check_min_tokens(state: ServerState, num_chars: int, param: str) -> None:
+    """The context check before tokenizing: the byte bound already puts the text over max_seq_len."""
+    n = state.prompts.min_tokens(num_chars)
+    if n >= state.max_seq_len:
+        raise APIError(400, f"the prompt has at least {n} tokens ({num_chars} characters) but the model's context "
+                            f"(max_seq_len) is {state.max_seq_len}; shorten the prompt", param=param,
+                       code="context_length_exceeded")
+
+
+async def _prompt_ids(state: ServerState, prompt: Any) -> list[int]:
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "prompt is an empty list; give text or at least one token id", param="prompt")
-        vocab = state.llm.model.config.vocab_size
+        _check_prompt_len(state, len(prompt), "prompt")             # before scanning a million ids
+        vocab = state.engine.ready.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab}); send valid ids",
-                           param="prompt")
+            raise APIError(400, f"prompt token id {short_repr(bad[0])} is outside the vocabulary [0, {vocab}); send "
+                                "valid ids", param="prompt")
         return list(prompt)
     if not prompt.strip():
         raise APIError(400, "prompt is empty; give non-empty text", param="prompt")
-    bos = getattr(tok, "bos_token", None)
+    _check_min_tokens(state, len(prompt), "prompt")
+    bos = getattr(state.tokenizer, "bos_token", None)
     # a prompt that is already rendered (it starts with the BOS text) gets no second BOS
-    return tok.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))
+    return await state.prompts.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))
+
+
+def _check_prompt_len(state: ServerState, prompt_len: int, param: str) -> None:
+    ready = state.engine.ready
+    if prompt_len >= ready.max_seq_len:
+        raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context (max_seq_len) is "
+                            f"{ready.max_seq_len}; shorten the prompt", param=param, code="context_length_exceeded")
+    need = prompt_len + 1 + 2 * ready.num_draft_tokens
+    if need > ready.pool_tokens:               # what Engine.add_request would refuse, answered before streaming
+        raise APIError(400, f"the prompt needs {need} KV slots but the whole KV cache pool holds {ready.pool_tokens}; "
+                            "shorten the prompt (or start the server with a larger kv_cache_config.max_tokens)",
+                       param=param, code="context_length_exceeded")
 
 
 def _sampling(state: ServerState, req: Any, max_tokens: Optional[int], prompt_len: int,
               default_max: Optional[int]) -> SamplingParams:
-    max_len = state.llm.engine.max_seq_len
-    if prompt_len >= max_len:
-        raise APIError(400, f"the prompt has {prompt_len} tokens but the model's context (max_seq_len) is {max_len}; "
-                            "shorten the prompt", param="messages" if default_max is None else "prompt",
-                       code="context_length_exceeded")
+    max_len = state.max_seq_len
+    _check_prompt_len(state, prompt_len, "messages" if default_max is None else "prompt")
     room = max_len - prompt_len
     if max_tokens is None:
         max_tokens = room if default_max is None else min(default_max, room)
     elif max_tokens < 1:
-        raise APIError(400, f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        raise APIError(400, f"max_tokens must be >= 1, got {short_repr(max_tokens)}", param="max_tokens")
     elif max_tokens > room:
-        raise APIError(400, f"max_tokens is {max_tokens} but the prompt ({prompt_len} tokens) leaves room for "
+        raise APIError(400, f"max_tokens is {short_repr(max_tokens)} but the prompt ({prompt_len} tokens) leaves room for "
                             f"{room} in the model's context of {max_len}; lower max_tokens",
                        param="max_tokens", code="context_length_exceeded")
     d = state.defaults
     pick = lambda v, k: d[k] if v is None else v  # noqa: E731
+    top_k = int(pick(req.top_k, "top_k"))
+    if top_k > 0:
+        top_k = min(top_k, state.engine.ready.vocab_size)     # the same distribution; fits the wire
     params = SamplingParams(max_tokens=max_tokens, temperature=float(pick(req.temperature, "temperature")),
-                            top_k=int(pick(req.top_k, "top_k")), top_p=float(pick(req.top_p, "top_p")),
-                            seed=req.seed, ignore_eos=req.ignore_eos)
+                            top_k=top_k, top_p=float(pick(req.top_p, "top_p")), seed=req.seed,
+                            ignore_eos=req.ignore_eos)
     try:
         params.validate()
     except ValueError as e:
@@ -211,40 +317,35 @@ def _sampling(state: ServerState, req: Any, max_tokens: Optional[int], prompt_le
 
 
 async def _generate(state: ServerState, request: Request, req: Any, ids: list[int], params: SamplingParams,
-                    chat: bool) -> Response:
-    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])     # matched on the text here
-    think = state.llm.tokenizer.think_token_ids() if chat and state.reasoning_parser else None
+                    chat: bool, arrival: float) -> Response:
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])     # matched on the text
+    think = state.tokenizer.think_token_ids() if chat and state.reasoning_parser else None
     starts_in = False
     if think:
         last = max((i for i, t in enumerate(ids) if t in think), default=-1)
         starts_in = last >= 0 and ids[last] == think[0]
-    text = state.output_text(state.llm.tokenizer, stops, think, starts_in)
-    h = state.loop.submit(ids, params)
+    text = state.output_text(state.tokenizer, stops, think, starts_in)
+    if not _up(state):
+        raise APIError(503, SHUTDOWN_MESSAGE)
+    rs = state.outputs.register(text, len(ids), request.state.request_id, arrival)
+    state.engine.send(Add(rs.rid, ids, params))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return _Stream(_sse(state, h, text, rid, chat, include_usage, len(ids)), lambda: _release(state, h))
+        return _Stream(_sse(state, rs, rid, chat, include_usage), lambda: _release(state, rs))
     try:
-        return await _collect(state, request, h, text, rid, chat, len(ids))
+        return await _collect(state, request, rs, rid, chat)
     finally:
-        _release(state, h)
+        _release(state, rs)
 
 
-def _release(state: ServerState, h: RequestHandle) -> None:
+def _release(state: ServerState, rs: RequestState) -> None:
     """The response is over (sent, failed or its client left): make sure the engine drops the request."""
-    if not h.closed:
-        state.loop.abort(h)
+    if not rs.closed:
+        state.outputs.abort(rs, "client disconnected")
 
 
-def _fail(state: ServerState, h: RequestHandle, e: Exception) -> APIError:
-    """A request whose output processing raised: it fails alone (500), the engine drops it."""
-    log.error("request failed: %s: %s", type(e).__name__, e)
-    log.debug("traceback", exc_info=True)
-    state.loop.abort(h, "failed")
-    return APIError(500, f"generation failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": "))
-
-
-def _usage(prompt_len: int, n: int, stats: Any) -> dict:
+def _usage(prompt_len: int, n: int) -> dict:
     return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
 
 
@@ -258,68 +359,48 @@ def _spec_stats(stats: Any) -> Optional[dict]:
             "accepted_per_position": list(stats.accepted_per_position)}
 
 
-def _finish_reason(text: OutputText, ev: Event) -> str:
-    return "stop" if text.stopped else ("length" if ev.finish_reason == "length" else "stop")
+def _finish_reason(ev: TextEvent) -> str:
+    return "length" if ev.finish_reason == "length" else "stop"
 
 
-async def _collect(state: ServerState, request: Request, h: RequestHandle, text: OutputText, rid: str, chat: bool,
-                   prompt_len: int) -> Response:
+async def _collect(state: ServerState, request: Request, rs: RequestState, rid: str, chat: bool) -> Response:
     async def watch() -> None:                 # the client leaving is an http.disconnect message
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        state.loop.abort(h)
+        state.outputs.abort(rs, "client disconnected")
 
     watcher = asyncio.create_task(watch())
     try:
         while True:
-            ev = await h.events.get()
+            ev = await rs.events.get()
             if ev.kind == "error":
                 raise APIError(ev.status, ev.message)
-            try:
-                text.feed(ev.token_ids)
-                if text.stopped and not h.closed:
-                    state.loop.abort(h, "stop string")
-                if ev.kind != "done" and not text.stopped:
-                    continue
-                text.finish()
-            except Exception as e:  # noqa: BLE001 - this request fails alone
-                raise _fail(state, h, e) from None
-            if ev.kind != "done":                              # stopped by a stop string: wait for the end
-                ev = await _until_done(h)
-            break
+            if ev.kind == "done":
+                break
     finally:
         watcher.cancel()
-    if h.abort_reason == "client disconnected":
+    if rs.abort_reason == "client disconnected":
         return Response(status_code=499)                       # nobody is there to read it
-    reason = _finish_reason(text, ev)
-    created = int(time.time())
+    texts = rs.text.text
+    reason = _finish_reason(ev)
     if chat:
-        msg: dict[str, Any] = {"role": "assistant", "content": text.text["content"]}
+        msg: dict[str, Any] = {"role": "assistant", "content": texts["content"]}
         if state.reasoning_parser:
-            msg["reasoning_content"] = text.text.get("reasoning_content") or None
-            msg["content"] = text.text["content"] or (None if msg["reasoning_content"] else "")
+            msg["reasoning_content"] = texts.get("reasoning_content") or None
+            msg["content"] = texts["content"] or (None if msg["reasoning_content"] else "")
         choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": reason}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text.text["content"], "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": texts["content"], "logprobs": None, "finish_reason": reason}
         obj = "text_completion"
-    return JSONResponse({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                         "choices": [choice], "usage": _usage(prompt_len, text.num_tokens, ev.stats),
+    return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": state.model_name,
+                         "choices": [choice], "usage": _usage(rs.prompt_len, ev.num_tokens),
                          "spec_decode_stats": _spec_stats(ev.stats)})
 
 
-async def _until_done(h: RequestHandle) -> Event:
-    while True:
-        ev = await h.events.get()
-        if ev.kind != "tokens":
-            return ev
-
-
-def _sse(state: ServerState, h: RequestHandle, text: OutputText, rid: str, chat: bool, include_usage: bool,
-         prompt_len: int) -> AsyncIterator[str]:
+def _sse(state: ServerState, rs: RequestState, rid: str, chat: bool, include_usage: bool) -> AsyncIterator[str]:
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
-
     head = json.dumps({"id": rid, "object": obj, "created": created, "model": state.model_name})[:-1]
 
     def chunk(delta: Optional[dict[str, str]], reason: Optional[str], first: bool = False) -> str:
@@ -337,31 +418,18 @@ def _sse(state: ServerState, h: RequestHandle, text: OutputText, rid: str, chat:
         if chat:
             yield chunk(None, None, first=True)
         while True:
-            ev = await h.events.get()
+            ev = await rs.events.get()
             if ev.kind == "error":
                 yield _data(APIError(ev.status, ev.message).body())
                 yield "data: [DONE]\n\n"
                 return
-            try:
-                delta = text.feed(ev.token_ids)
-                if text.stopped and not h.closed:
-                    state.loop.abort(h, "stop string")
-                if ev.kind == "done" or text.stopped:
-                    for k, v in text.finish().items():
-                        delta[k] = delta.get(k, "") + v
-            except Exception as e:  # noqa: BLE001 - this request fails alone
-                yield _data(_fail(state, h, e).body())
-                yield "data: [DONE]\n\n"
-                return
-            if delta:
-                yield chunk(delta, None)
-            if ev.kind == "done" or text.stopped:
-                if ev.kind != "done":
-                    ev = await _until_done(h)
-                yield chunk(None, _finish_reason(text, ev))
+            if ev.delta:
+                yield chunk(ev.delta, None)
+            if ev.kind == "done":
+                yield chunk(None, _finish_reason(ev))
                 if include_usage:
                     yield _data({"id": rid, "object": obj, "created": created, "model": state.model_name,
-                                 "choices": [], "usage": _usage(prompt_len, text.num_tokens, ev.stats),
+                                 "choices": [], "usage": _usage(rs.prompt_len, ev.num_tokens),
                                  "spec_decode_stats": _spec_stats(ev.stats)})
                 yield "data: [DONE]\n\n"
                 return
@@ -373,10 +441,20 @@ def _data(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+# ---- middleware (plain ASGI) ------------------------------------------------------------------
+
+async def _send_error(send: Any, e: APIError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    body = json.dumps(e.body()).encode()
+    await send({"type": "http.response.start", "status": e.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class _QuietCancel:
     """Outermost guard of every HTTP request. An unexpected exception becomes a 500 error object (one log
-    line; the traceback only at debug level). A request cancelled by the server's shutdown (past
-    --shutdown_timeout) ends quietly: its handler's cleanup has aborted its engine request already."""
+    line; the traceback only at debug level). A request cancelled by the server's shutdown ends quietly: its
+    handler's cleanup has aborted its engine request already."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -397,11 +475,122 @@ class _QuietCancel:
             log.warning("%s %s cancelled by the shutdown", scope.get("method"), scope.get("path"))
         except Exception as e:  # noqa: BLE001 - never a traceback in the server log for one request
             first = str(e).splitlines()[0] if str(e) else ""
-            log.error("unexpected error on %s: %s: %s", scope.get("path"), type(e).__name__, first)
+            rid = scope.get("state", {}).get("request_id", "-")
+            log.error("unexpected error on %s (request %s): %s: %s", scope.get("path"), rid, type(e).__name__, first)
             log.debug("traceback", exc_info=True)
             if not started:
-                await JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {first}".rstrip(": ")).body(),
-                                   status_code=500)(scope, receive, send)
+                await _send_error(send, APIError(500, f"internal error: {type(e).__name__}: {first}".rstrip(": ")),
+                                  [(b"x-request-id", rid.encode())])
+
+
+class _RequestId:
+    """X-Request-Id: the client's (1-256 visible ASCII characters) or a new one; echoed on every response."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        rid = given.decode("latin-1") if given is not None else uuid.uuid4().hex
+        if given is not None and not _REQUEST_ID.fullmatch(rid):
+            new = uuid.uuid4().hex
+            return await _send_error(send, APIError(400, "X-Request-Id must be 1-256 visible ASCII characters; send "
+                                                         "another or leave it out"), [(b"x-request-id", new.encode())])
+        scope.setdefault("state", {})["request_id"] = rid
+        raw = rid.encode("latin-1")
+
+        async def with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"x-request-id", raw)]
+            await send(message)
+
+        await self.app(scope, receive, with_id)
+
+
+class _ApiKey:
+    """With a key set: /v1/* needs `Authorization: Bearer <key>` (401 otherwise); the rest stays open."""
+
+    def __init__(self, app: Any, key: Optional[str]) -> None:
+        self.app = app
+        self.key = key.encode() if key else None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.key is None or scope.get("type") != "http" or not scope.get("path", "").startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            rid = scope.get("state", {}).get("request_id", "-")
+            log.warning("request %s: %s %s refused: %s API key", rid, scope.get("method"), scope.get("path"),
+                        "wrong" if auth else "no")
+            return await _send_error(send, APIError(401, "invalid or missing API key; send the header "
+                                                         "'Authorization: Bearer <key>'", code="invalid_api_key"),
+                                     [(b"www-authenticate", b"Bearer")])
+        await self.app(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _BodyLimit:
+    """Request bodies over `limit` bytes get a 413 error object. A declared Content-Length over it is
+    refused before anything is buffered (the body is read and dropped, up to DRAIN_FACTOR x the limit, so
+    that the client, still sending, sees the answer); a chunked body is counted as it arrives."""
+
+    DRAIN_FACTOR = 8
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    def _error(self, size: Optional[int]) -> APIError:
+        what = f"is {size} bytes" if size is not None else "is longer than that"
+        return APIError(413, f"the request body {what}, over the limit of {self.limit} bytes (--max_request_bytes); "
+                             "send a shorter prompt or raise the limit", code="request_too_large")
+
+    async def _drain(self, receive: Any) -> None:
+        seen = 0
+        while seen <= self.DRAIN_FACTOR * self.limit:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return
+            seen += len(msg.get("body", b""))
+            if not msg.get("more_body", False):
+                return
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = next((v for k, v in scope.get("headers", ()) if k == b"content-length"), None)
+        size = int(declared) if declared is not None and declared.isdigit() else None
+        if size is not None and size > self.limit:
+            await self._drain(receive)
+            return await _send_error(send, self._error(size))
+        seen = 0
+        started = False
+
+        async def counted() -> dict:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise _TooLarge()
+            return msg
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            if not started:
+                await self._drain(receive)
+                await _send_error(send, self._error(None))
 
 
 class _Stream(StreamingResponse):

@@ -1,27 +1,65 @@
 """GET /metrics: Prometheus text exposition format (version 0.0.4), written without a client library.
 
-Gauges: requests running / waiting, KV blocks free / total. Counters: requests finished by reason,
-failed, rejected; prompt and generation tokens; engine steps; speculative decoding (steps that proposed
-drafts, draft tokens proposed and accepted, accepted and proposed per draft position). A histogram of the
-engine step time. Derived gauges: acceptance length (AL = tokens / decoding steps), draft acceptance rate,
-acceptance per draft position. Values are read without a lock: each is a plain int the loop thread
-updates, so a scrape may mix two neighbouring steps, never a torn value.
+Names follow vLLM's (`vllm:x` is `mtp_x` here) where vLLM has the metric. Two sources:
+- the API process (`RequestMetrics`, filled by the output thread): requests finished by reason, failed;
+  histograms of time to first token, inter-token latency (between two outputs of a request: one engine
+  step, 1..K+1 tokens), end-to-end latency (both from the moment the HTTP request arrived, tokenization
+  included) and queue time (arrival at the engine to its first scheduled step, measured by the engine);
+- the engine (`EngineStats`, the snapshot that comes with every output batch): requests running /
+  waiting, KV blocks free / total, prompt and generation tokens, engine steps and a histogram of their
+  time, speculative decoding (drafts proposed and accepted, per draft position, AL), the prefix cache.
+Values are read without a lock: each is a number one thread updates, so a scrape may mix two neighbouring
+iterations, never a torn value.
 """
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
-from mtp_core.serve.engine_loop import STEP_BUCKETS_S
+from mtp_core.serve.engine_core import STEP_BUCKETS_S
+from mtp_core.serve.messages import PREFIX_FIELDS, EngineStats
+
+TTFT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                 0.75, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
+                     120.0, 240.0, 480.0, 960.0)
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)          # per bucket (not cumulative); the last is +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, v)] += 1
+        self.sum += v
+        self.count += 1
+
+
+class RequestMetrics:
+    """Request-level metrics of the API process (written by the output thread only)."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(TTFT_BUCKETS_S)
+        self.itl = Histogram(ITL_BUCKETS_S)
+        self.e2e = Histogram(REQUEST_BUCKETS_S)
+        self.queue = Histogram(REQUEST_BUCKETS_S)
+        self.requests_by_reason: dict[str, int] = {}
+        self.requests_failed = 0
+
+    def finished(self, reason: str) -> None:
+        self.requests_by_reason[reason] = self.requests_by_reason.get(reason, 0) + 1
 
 
 def _esc(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(loop: Any, model_name: str) -> str:
-    eng = loop.engine
-    c = loop.counters
-    stats = eng.stats
+def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str) -> str:
     lbl = f'model_name="{_esc(model_name)}"'
     lines: list[str] = []
 
@@ -32,41 +70,55 @@ def render_metrics(loop: Any, model_name: str) -> str:
             lines.append(f"{name}{{{lbl}{labels}}} {value:.10g}" if isinstance(value, float)
                          else f"{name}{{{lbl}{labels}}} {value}")
 
-    metric("mtp_num_requests_running", "gauge", "Requests in the engine's running batch.", [("", loop.num_running)])
-    metric("mtp_num_requests_waiting", "gauge", "Requests waiting for admission.", [("", loop.num_waiting)])
-    blocks = eng.blocks
-    metric("mtp_kv_cache_free_blocks", "gauge", "Free KV cache blocks.", [("", blocks.num_free_blocks)])
-    metric("mtp_kv_cache_total_blocks", "gauge", "KV cache blocks requests can use.",
-           [("", blocks.num_blocks - (1 if eng.graphs is not None else 0))])
-    reasons = dict(c.requests_by_reason)
-    pc = getattr(blocks, "stats", None)
-    if pc is not None:   # prefix caching (kv_cache_config.enable_block_reuse)
-        for name, kind, text, value in (
-                ("queries_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.", pc.prompt_tokens),
-                ("hits_tokens_total", "counter", "Prompt tokens served from the prefix cache.", pc.reused_tokens),
-                ("queries_blocks_total", "counter", "Full prompt blocks looked up.", pc.queried_blocks),
-                ("hits_blocks_total", "counter", "Full prompt blocks found in the cache.", pc.hit_blocks),
-                ("token_hit_rate", "gauge", "Reused / looked-up prompt tokens.", pc.token_hit_rate),
-                ("evicted_blocks_total", "counter", "Cached blocks evicted for new contents.", pc.evicted_blocks)):
-            metric(f"mtp_prefix_cache_{name}", kind, text, [("", value)])
-    metric("mtp_request_success_total", "counter", "Finished requests by finish reason (abort: client gone).",
+    def histogram(name: str, help_: str, h: Any, cumulative: bool = False) -> None:
+        lines.append(f"# HELP {name} {help_}")
+        lines.append(f"# TYPE {name} histogram")
+        total = 0
+        for i, b in enumerate(h.buckets):
+            total = h.counts[i] if cumulative else total + h.counts[i]
+            lines.append(f'{name}_bucket{{{lbl},le="{b}"}} {total}')
+        lines.append(f'{name}_bucket{{{lbl},le="+Inf"}} {h.count}')
+        lines.append(f"{name}_sum{{{lbl}}} {h.sum:.10g}")
+        lines.append(f"{name}_count{{{lbl}}} {h.count}")
+
+    metric("mtp_num_requests_running", "gauge", "Requests in the engine's running batch.", [("", eng.num_running)])
+    metric("mtp_num_requests_waiting", "gauge", "Requests waiting for admission.", [("", eng.num_waiting)])
+    metric("mtp_kv_cache_free_blocks", "gauge", "Free KV cache blocks.", [("", eng.kv_free_blocks)])
+    metric("mtp_kv_cache_total_blocks", "gauge", "KV cache blocks requests can use.", [("", eng.kv_total_blocks)])
+    metric("mtp_num_preemptions_total", "counter", "Requests preempted (recomputed later).",
+           [("", eng.num_preemptions)])
+    if eng.prefix_cache is not None:   # prefix caching (kv_cache_config.enable_block_reuse)
+        helps = ("Prompt tokens looked up in the prefix cache.", "Prompt tokens served from the prefix cache.",
+                 "Full prompt blocks looked up.", "Full prompt blocks found in the cache.",
+                 "Reused / looked-up prompt tokens.", "Cached blocks evicted for new contents.")
+        for name, text, value in zip(PREFIX_FIELDS, helps, eng.prefix_cache):
+            metric(f"mtp_prefix_cache_{name}", "gauge" if name.endswith("rate") else "counter", text,
+                   [("", value if name.endswith("rate") else int(value))])
+    reasons = dict(req.requests_by_reason)
+    metric("mtp_request_success_total", "counter", "Finished requests by finish reason (abort: client gone or "
+           "cut at shutdown).",
            [(f',finished_reason="{r}"', n) for r, n in sorted(reasons.items())] or [(',finished_reason="stop"', 0)])
-    metric("mtp_request_failure_total", "counter", "Requests whose generation raised.", [("", c.requests_failed)])
+    metric("mtp_request_failure_total", "counter", "Requests whose generation or output processing raised.",
+           [("", req.requests_failed)])
     metric("mtp_request_rejected_total", "counter", "Requests the engine refused at admission.",
-           [("", c.requests_rejected)])
-    metric("mtp_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [("", c.prompt_tokens)])
-    metric("mtp_generation_tokens_total", "counter", "Generated tokens.", [("", c.generation_tokens)])
-    metric("mtp_engine_steps_total", "counter", "Engine steps.", [("", c.steps)])
-    metric("mtp_engine_step_failures_total", "counter", "Engine steps that raised.", [("", c.step_failures)])
-    lines.append("# HELP mtp_engine_step_seconds Time of one engine step.")
-    lines.append("# TYPE mtp_engine_step_seconds histogram")
-    cum = 0
-    for b, n in zip(STEP_BUCKETS_S, c.step_buckets):
-        cum = n          # buckets are cumulative already (a step counts in every bucket >= its time)
-        lines.append(f'mtp_engine_step_seconds_bucket{{{lbl},le="{b}"}} {cum}')
-    lines.append(f'mtp_engine_step_seconds_bucket{{{lbl},le="+Inf"}} {c.steps}')
-    lines.append(f"mtp_engine_step_seconds_sum{{{lbl}}} {c.step_seconds:.10g}")
-    lines.append(f"mtp_engine_step_seconds_count{{{lbl}}} {c.steps}")
+           [("", eng.requests_rejected)])
+    metric("mtp_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [("", eng.prompt_tokens)])
+    metric("mtp_generation_tokens_total", "counter", "Generated tokens.", [("", eng.generation_tokens)])
+    histogram("mtp_time_to_first_token_seconds", "Time from the HTTP request's arrival to its first token.",
+              req.ttft)
+    histogram("mtp_inter_token_latency_seconds", "Time between two outputs of a request (one engine step, "
+              "1..K+1 tokens).", req.itl)
+    histogram("mtp_e2e_request_latency_seconds", "Time from the HTTP request's arrival to its last token.", req.e2e)
+    histogram("mtp_request_queue_time_seconds", "Time from the engine receiving a request to its first step.",
+              req.queue)
+    metric("mtp_engine_steps_total", "counter", "Engine steps.", [("", eng.steps)])
+    metric("mtp_engine_step_failures_total", "counter", "Engine steps that raised.", [("", eng.step_failures)])
+
+    class _Steps:
+        buckets, counts, sum, count = STEP_BUCKETS_S, eng.step_buckets, eng.step_seconds, eng.steps
+    histogram("mtp_engine_step_seconds", "Time of one engine step.", _Steps, cumulative=True)
+
+    stats = eng.spec
     proposed = list(stats.proposed_per_position)
     accepted = list(stats.accepted_per_position)
     metric("mtp_spec_decode_num_drafts_total", "counter", "Decoding steps that proposed drafts.",

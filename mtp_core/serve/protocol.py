@@ -28,7 +28,17 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 64 - 1      # what torch.Generator.manual_seed takes
+MAX_STOP_STRINGS = 64                           # each one is searched for after every engine step
+
+
+def short_repr(v: Any, n: int = 60) -> str:
+    """A value for an error message: its repr, cut to n characters."""
+    r = repr(v)
+    return r if len(r) <= n else r[:n - 3] + "..."
 
 
 class StreamOptions(_Strict):
@@ -56,7 +66,12 @@ class _Common(_Strict):
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(param, message) for a known field set to a value this server cannot honour."""
         if self.n != 1:
-            return "n", f"n={self.n} is not supported (one choice per request); send n=1 or omit it, and repeat the request for more choices"
+            return "n", f"n={short_repr(self.n)} is not supported (one choice per request); send n=1 or omit it, and repeat the request for more choices"
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            return "seed", f"seed must be an integer in [-2^63, 2^64 - 1], got {short_repr(self.seed)}"
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            return "stop", f"stop holds {len(stops)} strings; send at most {MAX_STOP_STRINGS}"
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if v not in (None, 0, 0.0):
@@ -136,7 +151,8 @@ class ChatCompletionRequest(_Common):
 
 _TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
                "string_type": "a string", "list_type": "a list", "dict_type": "an object",
-               "model_type": "an object", "literal_error": "one of the allowed values"}
+               "model_type": "an object", "literal_error": "one of the allowed values",
+               "finite_number": "a finite number"}
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none"}
@@ -155,15 +171,24 @@ def _where(loc: tuple) -> str:
     return out
 
 
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_body(raw: bytes, model: type[_Strict]) -> Any:
     """Raw JSON bytes -> the request model; every problem is one APIError(400) naming the field."""
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_not_json)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({getattr(e, 'msg', e)} at position "
                             f"{getattr(e, 'pos', '?')}); send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply; send a flat JSON object") from None
+    except ValueError as e:             # NaN / Infinity, an integer of more than 4300 digits
+        raise APIError(400, f"the request body is not valid JSON ({str(e).splitlines()[0][:120]}); send a JSON "
+                            "object") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}")
     try:
