@@ -108,7 +108,8 @@ def llm_config(model_dir: str | Path = "", nextn: int = 0, mode: str = "auto", m
     """LLMConfig with a small explicit KV pool; nextn > 0 turns MTP on (mode: auto | eagle | vanilla)."""
     spec_cfg = SpeculativeConfig(num_nextn_predict_layers=nextn, mtp_mode=mode, **(spec or {})) if nextn else None
     fields.setdefault("overlap_scheduler_on_cpu", True)     # keep the overlap path under test on CPU
-    return LLMConfig(model_dir=str(model_dir), dtype="float32", speculative_config=spec_cfg,
+    fields.setdefault("dtype", "float32")
+    return LLMConfig(model_dir=str(model_dir), speculative_config=spec_cfg,
                      kv_cache_config=KvCacheConfig(max_tokens=max_tokens_kv, tokens_per_block=tokens_per_block),
                      **fields)
 

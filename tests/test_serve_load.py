@@ -163,7 +163,7 @@ def _round(url: str, model: str, prompts: list[str], want: list[str], big_body: 
 def test_128_streams_with_disconnects_and_1mb_prompts(tmp_path) -> None:
     reqs = task_requests("all", STREAMS, MAX_TOKENS)
     prompts = [r.prompt for r in reqs]                      # chat-rendered, BOS included
-    offline = LLM(llm_config(DEFAULT_MODEL_DIR, nextn=0, max_seq_len=1024, max_batch_size=32, max_tokens_kv=32768,
+    offline = LLM(llm_config(DEFAULT_MODEL_DIR, nextn=0, dtype="auto", max_seq_len=1024, max_batch_size=32, max_tokens_kv=32768,
                              tokens_per_block=16))
     want = [o.text for o in offline.generate([encode_request(offline.tokenizer, r) for r in reqs],
                                              SamplingParams(max_tokens=MAX_TOKENS))]
@@ -250,7 +250,7 @@ def test_chunked_prefill_keeps_streams_flowing_and_exact(tmp_path) -> None:
     """A ~900-token prompt arriving while 8 streams decode: with chunked prefill (serve's default) the longest
     gap of the streams is shorter than with one whole-prompt step, and every text equals offline greedy."""
     reqs = task_requests("all", 200, 16)
-    offline = LLM(llm_config(DEFAULT_MODEL_DIR, nextn=0, max_seq_len=1024, max_batch_size=16, max_tokens_kv=16384,
+    offline = LLM(llm_config(DEFAULT_MODEL_DIR, nextn=0, dtype="auto", max_seq_len=1024, max_batch_size=16, max_tokens_kv=16384,
                              tokens_per_block=16))
     tok = offline.tokenizer
     head, tail = "<｜begin▁of▁sentence｜><｜User｜>", "<｜Assistant｜><think>\n"

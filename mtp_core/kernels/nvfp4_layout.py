@@ -14,31 +14,29 @@ def _codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)   # [N, K]
 
 
-def _chunks(k: int) -> list[tuple[int, int]]:
-    """(start, length) of each chunk of a row of k inputs (k a multiple of 16)."""
-    full = k // 32 * 32
-    return [(s, 32) for s in range(0, full, 32)] + ([(full, 16)] if k % 32 else [])
-
-
 def interleave(packed: torch.Tensor) -> torch.Tensor:
     """Checkpoint order [N, K/2] uint8 -> kernel order."""
-    codes = _codes(packed)
-    out = torch.empty_like(packed)
-    for s, n in _chunks(codes.shape[1]):
-        half = n // 2
-        out[:, s // 2: s // 2 + half] = codes[:, s:s + half] | (codes[:, s + half:s + n] << 4)
-    return out
+    codes = _codes(packed)                                                      # [N, K]
+    n, k = codes.shape
+    full = k // 32 * 32
+    body = codes[:, :full].reshape(n, -1, 2, 16)                                # [N, chunks, (first, next), 16]
+    parts = [(body[:, :, 0] | (body[:, :, 1] << 4)).reshape(n, -1)]
+    if k > full:                                                                # a trailing chunk of 16
+        tail = codes[:, full:].reshape(n, 2, 8)
+        parts.append(tail[:, 0] | (tail[:, 1] << 4))
+    return torch.cat(parts, dim=1).contiguous()
 
 
 def deinterleave(packed: torch.Tensor) -> torch.Tensor:
     """Kernel order [N, K/2] uint8 -> checkpoint order."""
-    k = packed.shape[1] * 2
-    codes = torch.empty(packed.shape[0], k, dtype=torch.uint8)
-    for s, n in _chunks(k):
-        half = n // 2
-        b = packed[:, s // 2: s // 2 + half]
-        codes[:, s:s + half], codes[:, s + half:s + n] = b & 0x0F, b >> 4
-    pairs = codes.view(codes.shape[0], -1, 2)
+    n, half = packed.shape
+    full = (2 * half) // 32 * 16                                                # bytes of the full chunks
+    body = packed[:, :full].reshape(n, -1, 1, 16)
+    codes = [torch.cat([body & 0x0F, body >> 4], dim=2).reshape(n, -1)]
+    if half > full:
+        tail = packed[:, full:].reshape(n, 1, 8)
+        codes.append(torch.cat([tail & 0x0F, tail >> 4], dim=1).reshape(n, -1))
+    pairs = torch.cat(codes, dim=1).reshape(n, -1, 2)
     return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
 
 
