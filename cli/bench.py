@@ -108,6 +108,9 @@ def bench_command(
                                                              help="Relaxed acceptance inside <think>...</think>."),
     relaxed_topk: int = typer.Option(1, "--relaxed_topk", help="Relaxed acceptance: candidates from the top-k."),
     relaxed_delta: float = typer.Option(0.0, "--relaxed_delta", help="Relaxed acceptance: probability margin."),
+    spec_decode_draft_len_policy: str = typer.Option(
+        "cost", "--spec_decode_draft_len_policy",
+        help="cost: 0..K drafts per step from measured step costs (default); fixed: K every step."),
     spec_decode_draft_confidence: float = typer.Option(0.0, "--spec_decode_draft_confidence",
                                                        help="Stop drafting below this draft-probability product (0 = off)."),
     spec_decode_draft_len_schedule: Optional[str] = typer.Option(None, "--spec_decode_draft_len_schedule",

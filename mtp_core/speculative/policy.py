@@ -1,0 +1,463 @@
+"""How many drafts each request verifies in its next step (0..K): the draft-length policy.
+
+The engine asks `DraftLenPolicy.choose` once per step, after committing the step's tokens and before
+drafting the next ones; the answer is each row's draft count for the next step, and the drafter proposes
+that many. Two policies (`speculative_config.draft_len_policy`):
+
+- **cost** (the default): the count with the most expected output tokens per second for the batch, from
+  what the engine measures while it runs:
+    t(B, k)  step time for B decode rows that verify k drafts each, learned online per batch-size
+             bucket (1, 2, 3, 4, 5-8, 9-16, 17-32, ...) as two tables of per-row seconds: the target part
+             (the gap since the previous step, schedule, target forward over k+1 tokens per row,
+             verification, commit), keyed by the drafts verified, and the drafter part, keyed by the drafts
+             chosen (k = 0 skips the drafter). Each cell keeps its last 9 samples; its estimate is their
+             median (robust to the odd slow step) once it has 3, else a least-squares line in k through
+             the bucket's cells. On a CPU the clock is the engine thread's CPU time (time.thread_time:
+             what other processes take from a shared machine, and idle time between requests, does not
+             count), elsewhere wall time. The engine's first 3 decode steps run cold and are not measured.
+    a_j      per request, the chance that draft j is accepted given drafts 1..j-1 were, an exponentially
+             weighted mean of what its own steps showed (weight 0.3 on the newest); a new request starts
+             from the engine-wide mean (weight 0.05), which starts at 0.8.
+    E_r(k) = 1 + sum_{i<=k} prod_{j<=i} a_j     expected tokens a row emits with k drafts
+  and picks k maximising sum_r E_r(min(k, cap_r)) / (t(B, k) + catch-up), ties to the smaller k. cap_r is
+  the row's limit from the explicit rules (`adaptive.DraftPolicy`: schedule, acceptance window; the
+  confidence gate then stops chains inside the drafter), so explicit settings bound this policy.
+  Unmeasured cells are filled optimistically from the measured ones of the same bucket (linear between
+  two measured counts, the nearest measured value above a count, a proportional share below it, 0 for the
+  drafter at k = 0); a bucket with no measurement borrows the nearest bucket's per-row costs; with none at
+  all the first step drafts K. So a bucket costs 2-4 steps of exploration, then the choice follows the
+  measurements. After that each other count is tried again only when it is affordable: when the steps
+  since it was last chosen, times a budget of 1% of throughput shared by the alternatives, exceed its
+  estimated loss (1 - its expected tokens/s over the best's) plus the catch-up it would cost.
+- **fixed**: every row verifies its explicit limit (K without schedule or window): the behaviour before
+  the cost policy.
+
+Catch-up: a row that verified no drafts skips the drafter, and its MTP caches lag (see adaptive.py); the
+first step that drafts for it again runs the MTP forward over every lagging position. That costs about
+c x lag (c: seconds per lagging position, measured from the drafter's time in such steps beyond its
+usual time, and before any measurement estimated as a k = 0 step's per-row time x modules run / main
+layers). The policy charges it amortised over h = min(32, remaining tokens / E(K)) steps, and a lagging
+row whose amortised catch-up exceeds what its extra tokens are worth (E(cap) - 1 tokens at a k = 0 step's
+per-token time) stays at 0. At a batch where drafting loses (every row at 0 for long), the lag, and with it
+the cost of trying drafting again, grows each step: such a batch stops exploring and decodes as without
+MTP.
+
+Lossless: the count only decides how many drafts the target verifies, never what it emits under greedy
+decoding; and it is chosen from information of earlier steps only (costs, accepted counts), before the
+step whose target sample it affects, so sampled rows keep the target distribution.
+All bookkeeping is plain Python on floats and small lists: O(B x K) per step, no tensor op.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+from mtp_core.speculative.adaptive import DraftPolicy
+
+if TYPE_CHECKING:
+    from mtp_core.engine.scheduler import ScheduledRow
+    from mtp_core.speculative.drafter import DraftInput
+
+POLICIES = ("cost", "fixed")
+
+RING = 9                   # samples per cost cell (odd: the median is one of them)
+TRUSTED = 3                # samples from which a cell's median is its estimate
+WARMUP_STEPS = 3           # the engine's first decode steps run cold (caches, allocator): not measured
+SETTLE = 2                 # steps of a count after a change that are not measured (the change's cost)
+ACCEPT_WEIGHT = 0.3        # weight of a request's newest observation in its acceptance estimate
+GLOBAL_WEIGHT = 0.05       # the same for the engine-wide estimate new requests start from
+PRIOR_ACCEPT = 0.8         # the engine-wide estimate before any observation (optimistic: draft first)
+EXPLORE_BUDGET = 0.01      # expected throughput spent on re-trying counts that are not the best
+MIN_EXPLORE_GAP = 8        # decisions between two tries of the same count, at least
+HORIZON = 128              # steps over which a catch-up is amortised, at most (the rest of the request)
+DRAFT_MARGIN = 0.05        # drafting must promise this much more than no drafting (measurement noise, and the
+                           # k = 0 steps between drafting ones measured dearer than in a run of k = 0 only)
+STICK = 0.02               # keep the previous count unless another promises this much more (a change costs)
+REDECIDE = 4               # steps a decision stands while the batch stays the same
+
+
+def bucket(batch_size: int) -> int:
+    """1, 2, 3, 4 exactly; then the next power of two (5-8 -> 8, 9-16 -> 16, ...)."""
+    return batch_size if batch_size <= 4 else 1 << (batch_size - 1).bit_length()
+
+
+class _Cell:
+    """The last RING samples of one cost cell; its value: their median from TRUSTED samples on, before
+    that their minimum (a timing's error on a shared machine is a delay: the smallest of a few is closest)."""
+    __slots__ = ("samples", "next", "value")
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self.next = 0
+        self.value = 0.0
+
+    def add(self, x: float) -> None:
+        if len(self.samples) < RING:
+            self.samples.append(x)
+        else:
+            self.samples[self.next] = x
+            self.next = (self.next + 1) % RING
+        s = sorted(self.samples)
+        n = len(s)
+        self.value = s[0] if n < TRUSTED else (s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2]))
+
+
+def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
+    """(intercept, slope >= 0) of the least-squares line through (k, value) weighted by min(samples, TRUSTED)."""
+    w = [min(n, TRUSTED) for _, _, n in points]
+    sw = sum(w)
+    mk = sum(wi * k for wi, (k, _, _) in zip(w, points)) / sw
+    mv = sum(wi * v for wi, (_, v, _) in zip(w, points)) / sw
+    var = sum(wi * (k - mk) ** 2 for wi, (k, _, _) in zip(w, points))
+    slope = max(sum(wi * (k - mk) * (v - mv) for wi, (k, v, _) in zip(w, points)) / var, 0.0) if var else 0.0
+    return mv - slope * mk, slope
+
+
+def _estimate(cells: list[Optional[_Cell]], drafter: bool) -> list[float]:
+    """Per-row seconds for k = 0..K. A cell with TRUSTED samples gives its median; the others come from the
+    line through every measured cell (the drafter's k = 0, which skips it, apart: 0 until measured). With
+    one measured count k1 the line is optimistic: flat above k1 and proportional below it (to k + 1 tokens
+    for the target part, to k chain forwards for the drafter)."""
+    K = len(cells) - 1
+    out = [0.0] * (K + 1)
+    first = 1 if drafter else 0
+    if drafter and cells[0] is not None:
+        out[0] = cells[0].value
+    points = [(k, c.value, len(c.samples)) for k, c in enumerate(cells) if c is not None and k >= first]
+    if not points:
+        return out
+    if len(points) == K + 1 - first and all(n >= TRUSTED for _, _, n in points):
+        out[first:] = [v for _, v, _ in points]         # every count measured: no line needed
+        return out
+    if len({k for k, _, _ in points}) == 1:
+        k1, v1, _ = points[0]
+        line = [v1 * min(1.0, (k - first + 1) / (k1 - first + 1)) for k in range(K + 1)]
+    else:
+        a, b = _line(points)
+        line = [max(a + b * k, 0.0) for k in range(K + 1)]
+    for k in range(first, K + 1):
+        c = cells[k]
+        out[k] = c.value if c is not None and len(c.samples) >= TRUSTED else line[k]
+    return out
+
+
+class StepCosts:
+    """t(B, k) per batch-size bucket: target-part and drafter-part cells of per-row seconds, and the
+    catch-up cost per lagging position."""
+
+    def __init__(self, K: int) -> None:
+        self.K = K
+        self.target: dict[int, list[Optional[_Cell]]] = {}
+        self.draft: dict[int, list[Optional[_Cell]]] = {}
+        self._catchup = _Cell()                      # seconds per lagging position caught up
+        self._cache: dict[int, tuple[list[float], list[float]]] = {}   # per bucket, until its next sample
+
+    def _add(self, table: dict[int, list[Optional[_Cell]]], batch_size: int, k: int, seconds: float) -> None:
+        b = bucket(batch_size)
+        cells = table.setdefault(b, [None] * (self.K + 1))
+        if cells[k] is None:
+            cells[k] = _Cell()
+        cells[k].add(seconds / batch_size)
+        for x in [x for x in self._cache if x == b or x not in self.target]:   # b, and buckets that borrow
+            del self._cache[x]
+
+    def add_target(self, batch_size: int, k: int, seconds: float) -> None:
+        self._add(self.target, batch_size, k, seconds)
+
+    def add_draft(self, batch_size: int, k: int, seconds: float) -> None:
+        self._add(self.draft, batch_size, k, seconds)
+
+    def add_catchup(self, seconds_per_position: float) -> None:
+        self._catchup.add(max(seconds_per_position, 0.0))
+
+    @property
+    def catchup_s(self) -> Optional[float]:
+        """Seconds per lagging position: the smallest of the last RING measurements. A catch-up always follows
+        a change of count, whose own extra cost (module doc, record_step) the measurement cannot separate."""
+        return min(self._catchup.samples) if self._catchup.samples else None
+
+    def per_row(self, batch_size: int) -> Optional[tuple[list[float], list[float]]]:
+        """(target part, drafter part) per row for k = 0..K at this batch size; None when nothing is measured.
+        A bucket without target measurements borrows the nearest measured bucket's."""
+        b = bucket(batch_size)
+        hit = self._cache.get(b)
+        if hit is not None:
+            return hit
+        src = b
+        if src not in self.target:
+            if not self.target:
+                return None
+            src = min(self.target, key=lambda x: (abs(math.log2(x / b)), x))
+        out = self._cache[b] = (_estimate(self.target[src], drafter=False),
+                                _estimate(self.draft.get(src, [None] * (self.K + 1)), drafter=True))
+        return out
+
+    def snapshot(self) -> dict:
+        """Per bucket: estimated step ms per row (target + drafter) for k = 0..K and samples per cell."""
+        out: dict[str, Any] = {}
+        for b in sorted(self.target):
+            t, d = self.per_row(b)                   # type: ignore[misc]
+            out[str(b)] = {"step_ms_per_row": [round(1e3 * (x + y), 4) for x, y in zip(t, d)],
+                           "target_samples": [len(c.samples) if c else 0 for c in self.target[b]],
+                           "draft_samples": [len(c.samples) if c else 0
+                                             for c in self.draft.get(b, [None] * (self.K + 1))]}
+        return out
+
+
+class _Batch:
+    """The rows of one decision: expected-token lists, grouped."""
+    __slots__ = ("size", "full", "other", "lagging")
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.full: list[list[float]] = []                        # E of rows allowed the largest count, no lag
+        self.other: list[tuple[list[float], int]] = []           # (E, cap) of rows limited below it
+        self.lagging: list[tuple[list[float], int, int]] = []   # (E, lag, tokens left) of rows whose MTP lags
+
+
+class DraftLenPolicy:
+    """The engine's one policy object: `choose` once per step, `observe` per verified row, `record_step`
+    once per step with its timestamps. `row_limit` and `in_flight` serve the scheduler."""
+
+    def __init__(self, K: int, rules: Optional[DraftPolicy] = None, policy: str = "cost",
+                 mtp_cost_ratio: float = 0.25, clock: Callable[[], float] = time.perf_counter) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"speculative_config.draft_len_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.K = K
+        self.rules = rules if rules is not None else DraftPolicy(K)
+        self.policy = policy if K else "fixed"
+        self.mtp_cost_ratio = mtp_cost_ratio
+        self.clock = clock                             # the engine stamps its steps with it (record_step)
+        self.costs = StepCosts(K)
+        self.accept = [PRIOR_ACCEPT] * K               # engine-wide acceptance per draft position ...
+        self._glob_expected: Optional[list[float]] = None   # ... and its E(0..K), None when stale
+        self.num_decisions: dict[int, int] = {}        # per bucket
+        self.last_chosen: dict[int, list[int]] = {}    # per bucket: decision index when each k was last chosen
+        self.num_explorations = 0
+        self._pending: Optional[tuple[int, int, int, bool]] = None   # (rows, k, catch-up positions, clean)
+        self._last_k: Optional[int] = None             # the previous decision's count ...
+        self._run_k = 0                                # ... and how many decisions in a row chose it
+        self._hold: Optional[tuple[int, int, int, bool]] = None   # (bucket, k, steps left, resume): a re-try
+        self._reuse: Optional[tuple[tuple[int, int, int], int, bool, int]] = None   # (batch, k, resume, steps left)
+        self._prev_end: Optional[float] = None         # end of the previous step, if it was a decode step
+        self._prev_verified: Optional[int] = None      # drafts the previous step verified, if decode-only ...
+        self._run_verified = 0                         # ... and how many steps in a row verified as many
+        self._warmup = WARMUP_STEPS
+
+    @classmethod
+    def from_spec(cls, spec: Any, max_batch_size: int, mtp_cost_ratio: float = 0.25,
+                  policy: Optional[str] = None, clock: Callable[[], float] = time.perf_counter) -> "DraftLenPolicy":
+        if spec is None:
+            return cls(0, DraftPolicy(0), "fixed")
+        return cls(spec.max_draft_len, DraftPolicy.from_spec(spec, max_batch_size),
+                   policy or spec.draft_len_policy, mtp_cost_ratio, clock)
+
+    # ---- the scheduler's view ------------------------------------------------------------
+    def in_flight(self, num_running: int, num_waiting: int) -> int:
+        return self.rules.in_flight(num_running, num_waiting)
+
+    def row_limit(self, seq: Any, batch_size: int) -> int:
+        """Drafts this row may verify now: the explicit rules, and no more than chosen when it drafted."""
+        return min(self.rules.row_limit(seq, batch_size), seq.draft_len)
+
+    # ---- once per step -------------------------------------------------------------------
+    def choose(self, rows: Sequence["DraftInput"], in_flight: int) -> list[int]:
+        """Each row's draft count for the next step (0 for rows that draft nothing: non-final prefill
+        chunks, drafting off or paused). Also sets seq.draft_len. The count is re-derived from the
+        estimates every REDECIDE steps, and at once when the batch changes (size, limits, a re-try)."""
+        self._pending = None
+        prev, self._last_k = self._last_k, None
+        cap_all = self.rules.batch_limit(in_flight)          # the explicit rules' limit (DraftPolicy.row_limit)
+        caps = [cap_all if r.needs_drafts and not r.seq.spec_off and r.seq.pause_steps <= 0 else 0 for r in rows]
+        kmax = max(caps, default=0)
+        if self.policy == "fixed" or kmax == 0:
+            self._run_k, self._reuse = 0, None
+            return self._apply(rows, caps)
+        B = sum(1 for r in rows if r.needs_drafts)
+        b = bucket(B)
+        n = self.num_decisions[b] = self.num_decisions.get(b, 0) + 1
+        last = self.last_chosen.setdefault(b, [0] * (self.K + 1))   # a new bucket owes no re-try yet
+        key = (B, kmax, len(rows))
+        if self._reuse is not None and self._reuse[0] == key and self._reuse[3] > 0 and self._hold is None \
+                and prev is not None:
+            _, k, resume, left = self._reuse
+            self._reuse = (key, k, resume, left - 1)
+        else:
+            k, resume, settled = self._decide(rows, caps, kmax, B, b, n, last, prev)
+            self._reuse = (key, k, resume, REDECIDE - 1) if settled and self._hold is None else None
+        last[k] = n
+        self._last_k = k
+        self._run_k = self._run_k + 1 if k == prev else 1
+        limits, catchup, uniform, decode_only = [], 0, True, True
+        for r, c in zip(rows, caps):
+            seq = r.seq
+            if r.start + len(r.next_tokens) <= seq.prefill_target:
+                decode_only = False                          # a prefill chunk: this step's drafting is not timed
+            j = k if k < c else c
+            if j and seq.mtp_pending:
+                if resume:
+                    catchup += r.start - seq.mtp_valid       # its MTP caches catch up in this drafting step
+                else:
+                    j = 0                                    # it stays at 0 (and lags on)
+            if r.needs_drafts and j != k:
+                uniform = False
+            seq.draft_len = j
+            limits.append(j)
+        # measured: decode rows only, every row at k (the costs are per row of such steps), in a run of k
+        self._pending = (B, k, catchup, decode_only and uniform and self._run_k > SETTLE)
+        return limits
+
+    def _decide(self, rows: Sequence["DraftInput"], caps: list[int], kmax: int, B: int, b: int, n: int,
+                last: list[int], prev: Optional[int]) -> tuple[int, bool, bool]:
+        """(count, whether lagging rows resume drafting, whether the count may stand for REDECIDE steps)."""
+        costs = self.costs.per_row(B)
+        hold, self._hold = self._hold, None
+        if costs is None:                     # nothing measured yet: draft as much as allowed, then measure
+            return kmax, True, True
+        if hold is not None and hold[0] == b and hold[1] <= kmax:
+            if hold[2] > 1:                   # a re-try lasts SETTLE + 1 steps: only the last is measured
+                self._hold = (b, hold[1], hold[2] - 1, hold[3])
+            return hold[1], hold[3], False
+        # expected tokens E(0..K) per row, grouped so that the sums stay cheap
+        glob = self._glob_expected or self._expected(self.accept, self.K)
+        self._glob_expected = glob
+        batch = _Batch()
+        batch.size = B
+        for r, cap in zip(rows, caps):
+            if not r.needs_drafts:
+                continue
+            seq = r.seq
+            e = seq.expected or glob
+            if cap and seq.mtp_pending:
+                batch.lagging.append((e, r.start - seq.mtp_valid, seq.params.max_tokens - len(seq.output_ids)))
+            elif cap == kmax:
+                batch.full.append(e)
+            else:
+                batch.other.append((e, cap))
+        return (*self._best(batch, costs, kmax, n, last, prev), True)
+
+    def _best(self, batch: "_Batch", costs: tuple[list[float], list[float]], kmax: int, n: int,
+              last: list[int], prev: Optional[int]) -> tuple[int, bool]:
+        """(count, whether lagging rows resume drafting): the most expected tokens per second, or a count to
+        re-try. The step's cost is the sum of its rows' per-row costs u(k) = target + drafter part of a
+        uniform step of this bucket, so rows limited below the count cost what they verify."""
+        tgt, drf = costs
+        u = [t + d for t, d in zip(tgt, drf)][:kmax + 1]                 # per-row step seconds at each count
+        R = range(kmax + 1)
+        nf = len(batch.full)
+        tokens = [sum(col) for col in zip(*batch.full)][:kmax + 1] if nf else [0.0] * (kmax + 1)
+        cost = [nf * x for x in u]
+        for e, cap in batch.other:
+            for k in R:
+                j = k if k < cap else cap
+                tokens[k] += e[j]
+                cost[k] += u[j]
+        # rows whose MTP caches lag: with them (catching up, amortised) or without them (they stay at 0)
+        c = self.costs.catchup_s if self.costs.catchup_s is not None else u[0] * self.mtp_cost_ratio
+        lag_tokens, lag_cost, amortised = [0.0] * (kmax + 1), [0.0] * (kmax + 1), 0.0
+        for e, lag, left in batch.lagging:
+            amortised += c * lag / min(HORIZON, max(1.0, left / e[kmax]))
+            for k in R:
+                lag_tokens[k] += e[k]
+                lag_cost[k] += u[k]
+        nl = len(batch.lagging)
+        rate_with = [(tokens[k] + lag_tokens[k]) / max(cost[k] + lag_cost[k] + (amortised if k else 0.0), 1e-12)
+                     for k in R]
+        rate_without = [(tokens[k] + nl) / max(cost[k] + nl * u[0], 1e-12) for k in R]
+        # the decision compares rates with drafting discounted by DRAFT_MARGIN and the previous count favoured
+        bias = [1.0] + [1.0 / (1.0 + DRAFT_MARGIN)] * kmax
+        def score(rate: list[float], k: int) -> float:
+            return rate[k] * bias[k] * (1.0 + STICK if k == prev else 1.0)
+        best, resume = max(R, key=lambda k: (score(rate_with, k), -k)), True
+        kw = max(R, key=lambda k: (score(rate_without, k), -k))
+        if score(rate_without, kw) > score(rate_with, best):
+            best, resume = kw, False
+        top = rate_with[best] if resume else rate_without[best]
+        # re-try another count when the budget accumulated since it was last chosen covers its cost
+        # (SETTLE + 1 steps at it, only the last measured); a re-try never makes lagging rows catch up
+        rate = rate_without if nl else rate_with
+        share, due, pick = EXPLORE_BUDGET / kmax, 0.0, best
+        for k in R:
+            if k == best or n - last[k] < MIN_EXPLORE_GAP or (k and nl == batch.size):
+                continue
+            slack = (n - last[k]) * share - (SETTLE + 1) * (1.0 - rate[k] / top)
+            if slack > due:
+                due, pick = slack, k
+        if pick != best:
+            self.num_explorations += 1
+            resume = not nl
+            self._hold = (bucket(batch.size), pick, SETTLE, resume)
+        return pick, resume
+
+    @staticmethod
+    def _expected(accept: list[float], k: int) -> list[float]:
+        """[E(0), .., E(k)]: expected tokens emitted with j drafts, E(j) = 1 + sum_{i<=j} prod_{l<=i} a_l."""
+        out, p = [1.0], 1.0
+        for j in range(k):
+            p *= accept[j]
+            out.append(out[-1] + p)
+        return out
+
+    @staticmethod
+    def _apply(rows: Sequence["DraftInput"], limits: list[int]) -> list[int]:
+        for r, k in zip(rows, limits):
+            r.seq.draft_len = k
+        return limits
+
+    # ---- after verification, per row -----------------------------------------------------
+    def observe(self, seq: Any, proposed: int, accepted: int, stats: Any = None) -> None:
+        """A decode step of `seq` verified `proposed` drafts and accepted `accepted`: the acceptance window
+        (explicit rule) and the acceptance estimates (positions 1..accepted+1 were observed)."""
+        self.rules.observe(seq, proposed, accepted, stats)
+        if self.policy == "fixed" or proposed <= 0:
+            return
+        a = seq.accept_est
+        if a is None:
+            a = seq.accept_est = list(self.accept)
+        g = self.accept
+        for j in range(min(accepted + 1, proposed)):
+            x = 1.0 if j < accepted else 0.0
+            a[j] += ACCEPT_WEIGHT * (x - a[j])
+            g[j] += GLOBAL_WEIGHT * (x - g[j])
+        seq.expected = self._expected(a, self.K)
+        self._glob_expected = None
+
+    # ---- timing, once per step -----------------------------------------------------------
+    def record_step(self, rows: Sequence["ScheduledRow"], t0: float, t1: float, t2: float) -> None:
+        """rows: the step's scheduled rows; t0 its start, t1 after commit (target part done), t2 its end
+        (drafting for the next step done), all read from `clock`. Only decode-only steps are measured."""
+        if self.policy == "fixed":
+            return
+        decode = bool(rows) and not any(r.is_prefill for r in rows)
+        verified = max(len(r.token_ids) for r in rows) - 1 if decode else None
+        if decode and min(len(r.token_ids) for r in rows) - 1 != verified:
+            decode, verified = False, None        # rows verified different counts: not a uniform step
+        p, self._pending = self._pending, None
+        self._run_verified = self._run_verified + 1 if decode and verified == self._prev_verified else 1
+        self._prev_verified = verified
+        prev_end, self._prev_end = self._prev_end, t2 if decode else None
+        if decode and self._warmup > 0:
+            self._warmup -= 1
+            return
+        # a step is measured only in a run of the same count: the first steps after a change pay for the
+        # earlier ones (the tokens they emitted, the caches their working set evicted; measured: a k = 0 step
+        # after k = 3 ones costs ~25% more at batch 16, ~10% one step later) and would blur both counts
+        if decode and self._run_verified > SETTLE:
+            self.costs.add_target(len(rows), verified, t1 - (prev_end if prev_end is not None else t0))
+        if p is not None:
+            B, k, catchup, clean = p
+            if catchup:
+                usual = self.costs.per_row(B)
+                if usual is not None:
+                    self.costs.add_catchup((t2 - t1 - B * usual[1][k]) / catchup)
+            elif clean:
+                self.costs.add_draft(B, k, t2 - t1)
+
+    def summary(self) -> dict:
+        """For reports: the policy, its cost table (ms per row), acceptance estimate, explorations."""
+        return {"policy": self.policy, "max_draft_len": self.K,
+                "step_costs": self.costs.snapshot() if self.policy == "cost" else None,
+                "catchup_us_per_position": None if self.costs.catchup_s is None else round(1e6 * self.costs.catchup_s, 3),
+                "engine_acceptance_estimate": [round(a, 4) for a in self.accept] if self.policy == "cost" else None,
+                "num_explorations": self.num_explorations}
