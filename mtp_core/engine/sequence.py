@@ -47,6 +47,8 @@ class Sequence:
     draft_len: int = 0           # drafts chosen for the next step when this request last drafted
     accept_est: Optional[list[float]] = None   # acceptance per draft position (None: the engine-wide one)
     expected: Optional[list[float]] = None     # expected tokens emitted with 0..K drafts, from accept_est
+    accept_step: int = 0         # the policy's step count when accept_est last learnt something
+    accept_n: int = 0            # observations accept_est has learnt from
     generator: Optional[torch.Generator] = None
     first_token_time: Optional[float] = None
     arrival_time: float = 0.0

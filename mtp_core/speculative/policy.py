@@ -61,20 +61,24 @@ if TYPE_CHECKING:
 
 POLICIES = ("cost", "fixed")
 
-RING = 9                   # samples per cost cell (odd: the median is one of them)
-TRUSTED = 3                # samples from which a cell's median is its estimate
+RING = 9                   # samples per cost cell
+TRUSTED = 3                # samples from which a cell's own value is its estimate (before: see _estimate)
 WARMUP_STEPS = 3           # the engine's first decode steps run cold (caches, allocator): not measured
 SETTLE = 2                 # steps of a count after a change that are not measured (the change's cost)
-ACCEPT_WEIGHT = 0.3        # weight of a request's newest observation in its acceptance estimate
+ACCEPT_WEIGHT = 0.1        # weight of a request's newest observation in its acceptance estimate
 GLOBAL_WEIGHT = 0.05       # the same for the engine-wide estimate new requests start from
 PRIOR_ACCEPT = 0.8         # the engine-wide estimate before any observation (optimistic: draft first)
+RELAX = 0.1                # per step a draft position is not observed, a request's estimate there moves this
+                           # far back to the engine-wide one (what it showed goes stale: a trace changes phase)
+GLOBAL_RELAX = 0.005        # per step in which no request verified a draft, the engine-wide estimate moves this
+                           # far back to PRIOR_ACCEPT (so that a long run at 0 drafts is re-tried, rarely)
 EXPLORE_BUDGET = 0.01      # expected throughput spent on re-trying counts that are not the best
 MIN_EXPLORE_GAP = 8        # decisions between two tries of the same count, at least
 HORIZON = 128              # steps over which a catch-up is amortised, at most (the rest of the request)
 DRAFT_MARGIN = 0.05        # drafting must promise this much more than no drafting (measurement noise, and the
                            # k = 0 steps between drafting ones measured dearer than in a run of k = 0 only)
 STICK = 0.02               # keep the previous count unless another promises this much more (a change costs)
-REDECIDE = 4               # steps a decision stands while the batch stays the same
+REDECIDE = 4               # steps a decision for 0 drafts stands while the batch stays the same
 
 
 def bucket(batch_size: int) -> int:
@@ -83,8 +87,10 @@ def bucket(batch_size: int) -> int:
 
 
 class _Cell:
-    """The last RING samples of one cost cell; its value: their median from TRUSTED samples on, before
-    that their minimum (a timing's error on a shared machine is a delay: the smallest of a few is closest)."""
+    """The last RING samples of one cost cell; its value is their lower quartile (the smallest of fewer
+    than 4). A step's time on a shared machine errs by delays only (another process, an interrupt, a
+    collection), and they come in bursts: a low quantile ignores them where a median of a few samples
+    would not; they would hit every count alike, so the comparison between counts keeps its sense."""
     __slots__ = ("samples", "next", "value")
 
     def __init__(self) -> None:
@@ -98,27 +104,33 @@ class _Cell:
         else:
             self.samples[self.next] = x
             self.next = (self.next + 1) % RING
-        s = sorted(self.samples)
-        n = len(s)
-        self.value = s[0] if n < TRUSTED else (s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2]))
+        self.value = sorted(self.samples)[(len(self.samples) - 1) // 4]
 
 
-def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
-    """(intercept, slope >= 0) of the least-squares line through (k, value) weighted by min(samples, TRUSTED)."""
+def _predict(points: list[tuple[int, float, int]], k: int, first: int) -> Optional[float]:
+    """The value at count k from measured (count, value, samples) points of one table: the least-squares
+    line weighted by min(samples, TRUSTED), slope >= 0; from a single point an optimistic guess (flat above
+    it, proportional below it: to k + 1 tokens for the target part, to k chain forwards for the drafter,
+    whose counts start at first = 1); None without points."""
+    if not points:
+        return None
+    if len({j for j, _, _ in points}) == 1:
+        k1, v1, _ = points[0]
+        return v1 * min(1.0, (k - first + 1) / (k1 - first + 1))
     w = [min(n, TRUSTED) for _, _, n in points]
     sw = sum(w)
-    mk = sum(wi * k for wi, (k, _, _) in zip(w, points)) / sw
+    mk = sum(wi * j for wi, (j, _, _) in zip(w, points)) / sw
     mv = sum(wi * v for wi, (_, v, _) in zip(w, points)) / sw
-    var = sum(wi * (k - mk) ** 2 for wi, (k, _, _) in zip(w, points))
-    slope = max(sum(wi * (k - mk) * (v - mv) for wi, (k, v, _) in zip(w, points)) / var, 0.0) if var else 0.0
-    return mv - slope * mk, slope
+    var = sum(wi * (j - mk) ** 2 for wi, (j, _, _) in zip(w, points))
+    slope = max(sum(wi * (j - mk) * (v - mv) for wi, (j, v, _) in zip(w, points)) / var, 0.0)
+    return max(mv + slope * (k - mk), 0.0)
 
 
 def _estimate(cells: list[Optional[_Cell]], drafter: bool) -> list[float]:
-    """Per-row seconds for k = 0..K. A cell with TRUSTED samples gives its median; the others come from the
-    line through every measured cell (the drafter's k = 0, which skips it, apart: 0 until measured). With
-    one measured count k1 the line is optimistic: flat above k1 and proportional below it (to k + 1 tokens
-    for the target part, to k chain forwards for the drafter)."""
+    """Per-row seconds for k = 0..K. A cell with TRUSTED samples gives its value. A cell with fewer gives
+    the smaller of its value and what the other cells predict for it (`_predict`): one slow sample
+    must not keep a count from being tried again. An unmeasured count gets the prediction from the
+    measured cells so estimated (0 when there are none). The drafter's k = 0 (it does not run) is apart: 0 until measured."""
     K = len(cells) - 1
     out = [0.0] * (K + 1)
     first = 1 if drafter else 0
@@ -128,17 +140,19 @@ def _estimate(cells: list[Optional[_Cell]], drafter: bool) -> list[float]:
     if not points:
         return out
     if len(points) == K + 1 - first and all(n >= TRUSTED for _, _, n in points):
-        out[first:] = [v for _, v, _ in points]         # every count measured: no line needed
+        out[first:] = [v for _, v, _ in points]         # every count measured: no prediction needed
         return out
-    if len({k for k, _, _ in points}) == 1:
-        k1, v1, _ = points[0]
-        line = [v1 * min(1.0, (k - first + 1) / (k1 - first + 1)) for k in range(K + 1)]
-    else:
-        a, b = _line(points)
-        line = [max(a + b * k, 0.0) for k in range(K + 1)]
+    settled = []                                        # measured cells, as estimated
+    for k, v, n in points:
+        if n < TRUSTED:
+            guess = _predict([p for p in points if p[0] != k], k, first)
+            v = v if guess is None else min(v, guess)
+        settled.append((k, v, n))
+        out[k] = v
+    measured = {k for k, _, _ in points}
     for k in range(first, K + 1):
-        c = cells[k]
-        out[k] = c.value if c is not None and len(c.samples) >= TRUSTED else line[k]
+        if k not in measured:
+            out[k] = _predict(settled, k, first) or 0.0
     return out
 
 
@@ -235,6 +249,9 @@ class DraftLenPolicy:
         self.num_decisions: dict[int, int] = {}        # per bucket
         self.last_chosen: dict[int, list[int]] = {}    # per bucket: decision index when each k was last chosen
         self.num_explorations = 0
+        self.num_steps = 0                             # choose() calls
+        self._glob_seen = 0                            # the step count when self.accept last learnt something
+        self._num_observed = 0                         # observations self.accept has learnt from
         self._pending: Optional[tuple[int, int, int, bool]] = None   # (rows, k, catch-up positions, clean)
         self._last_k: Optional[int] = None             # the previous decision's count ...
         self._run_k = 0                                # ... and how many decisions in a row chose it
@@ -267,6 +284,7 @@ class DraftLenPolicy:
         chunks, drafting off or paused). Also sets seq.draft_len. The count is re-derived from the
         estimates every REDECIDE steps, and at once when the batch changes (size, limits, a re-try)."""
         self._pending = None
+        self.num_steps += 1
         prev, self._last_k = self._last_k, None
         cap_all = self.rules.batch_limit(in_flight)          # the explicit rules' limit (DraftPolicy.row_limit)
         caps = [cap_all if r.needs_drafts and not r.seq.spec_off and r.seq.pause_steps <= 0 else 0 for r in rows]
@@ -285,7 +303,9 @@ class DraftLenPolicy:
             self._reuse = (key, k, resume, left - 1)
         else:
             k, resume, settled = self._decide(rows, caps, kmax, B, b, n, last, prev)
-            self._reuse = (key, k, resume, REDECIDE - 1) if settled and self._hold is None else None
+            # a count of 0 stands a few steps (nothing is learnt meanwhile, and the k = 0 steps are the ones
+            # whose overhead matters most); a drafting count is re-derived each step from what it shows
+            self._reuse = (key, k, resume, REDECIDE - 1) if settled and not k and self._hold is None else None
         last[k] = n
         self._last_k = k
         self._run_k = self._run_k + 1 if k == prev else 1
@@ -313,13 +333,18 @@ class DraftLenPolicy:
         """(count, whether lagging rows resume drafting, whether the count may stand for REDECIDE steps)."""
         costs = self.costs.per_row(B)
         hold, self._hold = self._hold, None
-        if costs is None:                     # nothing measured yet: draft as much as allowed, then measure
-            return kmax, True, True
+        if costs is None:                     # nothing measured yet: no drafts (never slower), then the
+            return 0, True, True              # optimistic estimates of the other counts make them tried
         if hold is not None and hold[0] == b and hold[1] <= kmax:
             if hold[2] > 1:                   # a re-try lasts SETTLE + 1 steps: only the last is measured
                 self._hold = (b, hold[1], hold[2] - 1, hold[3])
             return hold[1], hold[3], False
         # expected tokens E(0..K) per row, grouped so that the sums stay cheap
+        now = self.num_steps
+        if now - self._glob_seen > 1:           # nothing observed lately: the engine-wide estimate goes stale
+            d = (1.0 - GLOBAL_RELAX) ** (now - self._glob_seen)
+            self.accept = [PRIOR_ACCEPT + (a - PRIOR_ACCEPT) * d for a in self.accept]
+            self._glob_seen, self._glob_expected = now, None
         glob = self._glob_expected or self._expected(self.accept, self.K)
         self._glob_expected = glob
         batch = _Batch()
@@ -329,6 +354,9 @@ class DraftLenPolicy:
                 continue
             seq = r.seq
             e = seq.expected or glob
+            if seq.expected is not None and now - seq.accept_step > 1:     # no draft verified lately
+                d = (1.0 - RELAX) ** (now - seq.accept_step)
+                e = self._expected([g + (a - g) * d for a, g in zip(seq.accept_est, self.accept)], self.K)
             if cap and seq.mtp_pending:
                 batch.lagging.append((e, r.start - seq.mtp_valid, seq.params.max_tokens - len(seq.output_ids)))
             elif cap == kmax:
@@ -415,12 +443,21 @@ class DraftLenPolicy:
         a = seq.accept_est
         if a is None:
             a = seq.accept_est = list(self.accept)
+            seq.accept_n = 0
         g = self.accept
-        for j in range(min(accepted + 1, proposed)):
+        # the first observations weigh 1/(n+2) (the prior counts as one), then the fixed weights
+        seq.accept_n += 1
+        self._num_observed += 1
+        w, wg = max(ACCEPT_WEIGHT, 1.0 / (seq.accept_n + 1)), max(GLOBAL_WEIGHT, 1.0 / (self._num_observed + 1))
+        seen = min(accepted + 1, proposed)
+        for j in range(seen):
             x = 1.0 if j < accepted else 0.0
-            a[j] += ACCEPT_WEIGHT * (x - a[j])
-            g[j] += GLOBAL_WEIGHT * (x - g[j])
+            a[j] += w * (x - a[j])
+            g[j] += wg * (x - g[j])
+        for j in range(seen, self.K):
+            a[j] += RELAX * (g[j] - a[j])
         seq.expected = self._expected(a, self.K)
+        seq.accept_step = self._glob_seen = self.num_steps
         self._glob_expected = None
 
     # ---- timing, once per step -----------------------------------------------------------
@@ -448,9 +485,9 @@ class DraftLenPolicy:
         if p is not None:
             B, k, catchup, clean = p
             if catchup:
-                usual = self.costs.per_row(B)
-                if usual is not None:
-                    self.costs.add_catchup((t2 - t1 - B * usual[1][k]) / catchup)
+                cell = self.costs.draft.get(bucket(B), [None] * (self.K + 1))[k]
+                if cell is not None:          # the drafter's usual time at k is known: the rest is the catch-up
+                    self.costs.add_catchup((t2 - t1 - B * cell.value) / catchup)
             elif clean:
                 self.costs.add_draft(B, k, t2 - t1)
 
