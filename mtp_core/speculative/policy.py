@@ -68,12 +68,14 @@ SETTLE = 2                 # steps of a count after a change that are not measur
 ACCEPT_WEIGHT = 0.1        # weight of a request's newest observation in its acceptance estimate
 GLOBAL_WEIGHT = 0.05       # the same for the engine-wide estimate new requests start from
 PRIOR_ACCEPT = 0.8         # the engine-wide estimate before any observation (optimistic: draft first)
+PRIOR_WEIGHT = 4           # observations a request's prior (the engine-wide estimate) counts as; the
+                           # engine-wide estimate's prior counts twice that
 RELAX = 0.1                # per step a draft position is not observed, a request's estimate there moves this
                            # far back to the engine-wide one (what it showed goes stale: a trace changes phase)
 GLOBAL_RELAX = 0.005        # per step in which no request verified a draft, the engine-wide estimate moves this
                            # far back to PRIOR_ACCEPT (so that a long run at 0 drafts is re-tried, rarely)
 EXPLORE_BUDGET = 0.01      # expected throughput spent on re-trying counts that are not the best
-MIN_EXPLORE_GAP = 8        # decisions between two tries of the same count, at least
+MIN_EXPLORE_GAP = 32       # decisions of one batch-size bucket between two re-tries, at least
 HORIZON = 128              # steps over which a catch-up is amortised, at most (the rest of the request)
 DRAFT_MARGIN = 0.05        # drafting must promise this much more than no drafting (measurement noise, and the
                            # k = 0 steps between drafting ones measured dearer than in a run of k = 0 only)
@@ -249,6 +251,7 @@ class DraftLenPolicy:
         self.num_decisions: dict[int, int] = {}        # per bucket
         self.last_chosen: dict[int, list[int]] = {}    # per bucket: decision index when each k was last chosen
         self.num_explorations = 0
+        self.last_retry: dict[int, int] = {}           # per bucket: decision index of the last re-try
         self.num_steps = 0                             # choose() calls
         self._glob_seen = 0                            # the step count when self.accept last learnt something
         self._num_observed = 0                         # observations self.accept has learnt from
@@ -406,16 +409,18 @@ class DraftLenPolicy:
         # (SETTLE + 1 steps at it, only the last measured); a re-try never makes lagging rows catch up
         rate = rate_without if nl else rate_with
         share, due, pick = EXPLORE_BUDGET / kmax, 0.0, best
+        b = bucket(batch.size)
         for k in R:
-            if k == best or n - last[k] < MIN_EXPLORE_GAP or (k and nl == batch.size):
+            if k == best or n - self.last_retry.get(b, 0) < MIN_EXPLORE_GAP or (k and nl == batch.size):
                 continue
             slack = (n - last[k]) * share - (SETTLE + 1) * (1.0 - rate[k] / top)
             if slack > due:
                 due, pick = slack, k
         if pick != best:
             self.num_explorations += 1
+            self.last_retry[b] = n
             resume = not nl
-            self._hold = (bucket(batch.size), pick, SETTLE, resume)
+            self._hold = (b, pick, SETTLE, resume)
         return pick, resume
 
     @staticmethod
@@ -445,10 +450,12 @@ class DraftLenPolicy:
             a = seq.accept_est = list(self.accept)
             seq.accept_n = 0
         g = self.accept
-        # the first observations weigh 1/(n+2) (the prior counts as one), then the fixed weights
+        # the n-th observation weighs 1/(n + PRIOR_WEIGHT) (the prior counts as that many) until that is
+        # below the fixed weight
         seq.accept_n += 1
         self._num_observed += 1
-        w, wg = max(ACCEPT_WEIGHT, 1.0 / (seq.accept_n + 1)), max(GLOBAL_WEIGHT, 1.0 / (self._num_observed + 1))
+        w = max(ACCEPT_WEIGHT, 1.0 / (seq.accept_n + PRIOR_WEIGHT))
+        wg = max(GLOBAL_WEIGHT, 1.0 / (self._num_observed + 2 * PRIOR_WEIGHT))
         seen = min(accepted + 1, proposed)
         for j in range(seen):
             x = 1.0 if j < accepted else 0.0
