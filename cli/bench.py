@@ -172,6 +172,8 @@ def bench_command(
         ds = dataset_info(str(dataset), in_file, prompts, outs, [r.extra.get("task") for r in requests])
         report = build_report(records, cfg, llm.model, concurrency, streaming, ds,
                               {"warmup": warmup, "ignore_eos": ignore_eos})
+        if cfg.speculative_config is not None:
+            report["draft_len_policy"] = llm.engine.policy.summary()   # its cost table, acceptance, re-tries
         report["prefix_cache"] = {"enabled": cfg.kv_cache_config.enable_block_reuse,
                                   **llm.engine.blocks.stats.as_dict()}
         if roofline:

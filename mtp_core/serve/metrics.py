@@ -2,8 +2,8 @@
 
 Gauges: requests running / waiting, KV blocks free / total. Counters: requests finished by reason,
 failed, rejected; prompt and generation tokens; engine steps; speculative decoding (steps that proposed
-drafts, draft tokens proposed and accepted, accepted and proposed per draft position). A histogram of the
-engine step time. Derived gauges: acceptance length (AL = tokens / decoding steps), draft acceptance rate,
+drafts, draft tokens proposed and accepted, accepted and proposed per draft position, drafting steps by the
+number of drafts chosen). A histogram of the engine step time. Derived gauges: acceptance length (AL = tokens / decoding steps), draft acceptance rate,
 acceptance per draft position. Values are read without a lock: each is a plain int the loop thread
 updates, so a scrape may mix two neighbouring steps, never a torn value.
 """
@@ -82,6 +82,9 @@ def render_metrics(loop: Any, model_name: str) -> str:
            "Steps that proposed a draft at this position.", [(f',position="{i}"', n) for i, n in enumerate(proposed)])
     metric("mtp_spec_decode_acceptance_per_position", "gauge", "Accepted / proposed drafts at this position.",
            [(f',position="{i}"', a / p if p else 0.0) for i, (a, p) in enumerate(zip(accepted, proposed))])
+    metric("mtp_spec_decode_chosen_drafts_total", "counter", "Drafting steps of a request by the number of drafts "
+           "chosen for its next step (the draft-length policy, within the explicit limits).",
+           [(f',drafts="{k}"', n) for k, n in enumerate(stats.draft_limit_per_step)])
     steps, out = stats.num_steps, stats.num_output_tokens
     metric("mtp_spec_decode_decoding_steps_total", "counter", "Decoding steps over all requests (a request's "
            "first-token step included).", [("", steps)])
