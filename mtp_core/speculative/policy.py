@@ -4,48 +4,58 @@ The engine asks `DraftLenPolicy.choose` once per step, after committing the step
 drafting the next ones; the answer is each row's draft count for the next step, and the drafter proposes
 that many. Two policies (`speculative_config.draft_len_policy`):
 
-- **cost** (the default): the count with the most expected output tokens per second for the batch, from
-  what the engine measures while it runs:
-    t(B, k)  step time for B decode rows that verify k drafts each, learned online per batch-size
-             bucket (1, 2, 3, 4, 5-8, 9-16, 17-32, ...) as two tables of per-row seconds: the target part
-             (the gap since the previous step, schedule, target forward over k+1 tokens per row,
-             verification, commit), keyed by the drafts verified, and the drafter part, keyed by the drafts
-             chosen (k = 0 skips the drafter). Each cell keeps its last 9 samples; its estimate is their
-             median (robust to the odd slow step) once it has 3, else a least-squares line in k through
-             the bucket's cells. On a CPU the clock is the engine thread's CPU time (time.thread_time:
-             what other processes take from a shared machine, and idle time between requests, does not
-             count), elsewhere wall time. The engine's first 3 decode steps run cold and are not measured.
-    a_j      per request, the chance that draft j is accepted given drafts 1..j-1 were, an exponentially
-             weighted mean of what its own steps showed (weight 0.3 on the newest); a new request starts
-             from the engine-wide mean (weight 0.05), which starts at 0.8.
-    E_r(k) = 1 + sum_{i<=k} prod_{j<=i} a_j     expected tokens a row emits with k drafts
-  and picks k maximising sum_r E_r(min(k, cap_r)) / (t(B, k) + catch-up), ties to the smaller k. cap_r is
-  the row's limit from the explicit rules (`adaptive.DraftPolicy`: schedule, acceptance window; the
-  confidence gate then stops chains inside the drafter), so explicit settings bound this policy.
-  Unmeasured cells are filled optimistically from the measured ones of the same bucket (linear between
-  two measured counts, the nearest measured value above a count, a proportional share below it, 0 for the
-  drafter at k = 0); a bucket with no measurement borrows the nearest bucket's per-row costs; with none at
-  all the first step drafts K. So a bucket costs 2-4 steps of exploration, then the choice follows the
-  measurements. After that each other count is tried again only when it is affordable: when the steps
-  since it was last chosen, times a budget of 1% of throughput shared by the alternatives, exceed its
-  estimated loss (1 - its expected tokens/s over the best's) plus the catch-up it would cost.
-- **fixed**: every row verifies its explicit limit (K without schedule or window): the behaviour before
-  the cost policy.
+- **fixed**: every row gets its explicit limit (K, or less under `draft_len_schedule` / a paused
+  acceptance window): the behaviour before this policy.
+- **cost** (the default): the count with the most expected output tokens per second, from what the engine
+  measures while it runs.
 
-Catch-up: a row that verified no drafts skips the drafter, and its MTP caches lag (see adaptive.py); the
-first step that drafts for it again runs the MTP forward over every lagging position. That costs about
-c x lag (c: seconds per lagging position, measured from the drafter's time in such steps beyond its
-usual time, and before any measurement estimated as a k = 0 step's per-row time x modules run / main
-layers). The policy charges it amortised over h = min(32, remaining tokens / E(K)) steps, and a lagging
-row whose amortised catch-up exceeds what its extra tokens are worth (E(cap) - 1 tokens at a k = 0 step's
-per-token time) stays at 0. At a batch where drafting loses (every row at 0 for long), the lag, and with it
-the cost of trying drafting again, grows each step: such a batch stops exploring and decodes as without
-MTP.
+  Costs. u(B, k) = per-row seconds of a step of B decode rows that all verify k drafts, per batch-size
+  bucket (1, 2, 3, 4, 5-8, 9-16, ...), as two tables: the target part (from the previous step's end:
+  the caller's work between steps, schedule, target forward over k+1 tokens per row, verification,
+  commit), keyed by the drafts verified, and the drafter part (this choice, the MTP forwards, storing the
+  drafts), keyed by the drafts chosen; k = 0 skips the drafter. A step is measured only if it is
+  decode-only, uniform (every row at the same count) and the third or later of a run of that count (the
+  first steps after a change pay for the previous ones: measured on the shipped model, a k = 0 step after
+  k = 3 steps costs ~25% more at batch 16). The engine's first 3 decode steps run cold and are not
+  measured. On a CPU the clock is the engine thread's CPU time (time.thread_time: other processes on a
+  shared machine and idle time between requests stay out of it), elsewhere wall time. Each cell keeps its
+  last 9 samples and takes their lower quartile (timing errors are delays, in bursts). A cell with fewer
+  than 3 samples is replaced by what the bucket's other cells predict (least-squares line in k) when that
+  is lower, and an unmeasured count gets the prediction (from one measured count, optimistically: flat
+  above it, proportional below it); a bucket with no measurement borrows the nearest bucket's. With
+  nothing measured at all the first steps draft nothing, and the optimistic predictions get the other
+  counts tried next: 2-4 short runs per bucket, then the choice follows the measurements.
 
-Lossless: the count only decides how many drafts the target verifies, never what it emits under greedy
-decoding; and it is chosen from information of earlier steps only (costs, accepted counts), before the
-step whose target sample it affects, so sampled rows keep the target distribution.
-All bookkeeping is plain Python on floats and small lists: O(B x K) per step, no tensor op.
+  Acceptance. a_j = the chance that draft j is accepted when drafts 1..j-1 were, per request: an
+  exponentially weighted mean of its own steps (weight 0.1; the first observations weigh 1/(n+4), the
+  prior counting as 4), starting from the engine-wide mean (weight 0.05, prior 0.8 counting as 8). A
+  position a request does not observe moves 10% per step back to the engine-wide value (what it showed
+  goes stale: a reasoning trace changes phase), and the engine-wide value moves 0.5% per step back to
+  the prior while no request verifies a draft, so a long stretch at 0 is re-tried, rarely.
+  E_r(k) = 1 + sum_{i<=k} prod_{j<=i} a_j is the expected tokens row r emits with k drafts.
+
+  Choice. For k = 0..max(cap_r): rate(k) = sum_r E_r(min(k, cap_r)) / sum_r u(B, min(k, cap_r)), where
+  cap_r is the row's explicit limit (`adaptive.DraftPolicy`: schedule, paused window; the confidence gate
+  then stops chains inside the drafter), so explicit settings bound this policy. A drafting count must
+  beat k = 0 by 5% (measurement noise, and the k = 0 steps among drafting ones cost more than in a run
+  of k = 0), the previous count is kept unless another is 2% better, ties go to the smaller count. The
+  count is re-derived every step while drafting and every 4th step at 0 (nothing is learnt at 0). Once
+  per 32 decisions of a bucket another count may be re-tried for 3 steps (the last one measured), when
+  the budget it accrued since it was last chosen (1% of throughput, shared by the alternatives) covers
+  its expected loss; a re-try never makes lagging rows catch up.
+
+  Catch-up. A row at 0 skips the drafter and its MTP caches lag (see adaptive.py); the first step that
+  drafts for it again runs the MTP forward over every lagging position, c seconds each (measured: the
+  drafter's time in such steps beyond its usual time at that count, the smallest recent value; before
+  that, a k = 0 step's per-row time x MTP modules run / main layers). So the choice compares drafting
+  with the lagging rows (their catch-up amortised over their remaining steps, at most 128) and without
+  them (they stay at 0, the others draft), and takes the better. Where drafting loses for every row
+  (batch 16 on this CPU), the lag only grows: such a batch decodes as without MTP.
+
+Lossless: a count only decides how many drafts the target verifies, never what greedy decoding emits; it is
+chosen from earlier steps' information only (costs, accepted counts), before the step whose target sample
+it affects, so sampled rows keep the target distribution. All bookkeeping is plain Python on floats and
+short lists, O(B x K) per decision; no tensor op.
 """
 from __future__ import annotations
 
