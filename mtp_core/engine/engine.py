@@ -101,6 +101,10 @@ class Engine:
             log.warning("draft_len_policy cost chooses from this process's measured step times, which ranks do "
                         "not share; drafting %d per step (fixed)", self.K)
             policy = "fixed"
+        if policy == "cost" and spec.use_relaxed_acceptance_for_thinking:
+            log.warning("relaxed acceptance emits accepted drafts, so thinking-phase text depends on how many are "
+                        "verified, which draft_len_policy cost chooses from measured timings: it may differ between "
+                        "runs; set draft_len_policy: fixed for reproducible relaxed output")
         n = self.model.num_mtp_modules
         modules = self.K if n and spec.resolved_mode(n) == "vanilla" else 1    # MTP modules one catch-up runs
         log.info("draft length: %s", f"0..{self.K} per step, chosen from measured step costs (draft_len_policy "
