@@ -49,7 +49,7 @@ def cells(*values):
 
 ESTIMATE_TABLE = [
     # cells (samples per count k = 0..3)               drafter?  estimate per count            why
-    (([1, 9, 2], [3, 3, 4], [5, 50, 5], [7, 7, 7]), False, [1, 3, 5, 7]),        # 3 samples each: their minimum
+    (([1, 9, 2], [3, 3, 4], [5, 50, 5], [7, 7, 7]), False, [1.5, 10 / 3, 5, 7]),  # 3 samples: trimmed means
     (([2], None, None, None), False, [2, 2, 2, 2]),                                # one count: flat above it
     ((None, None, None, [8, 8, 8]), False, [2, 4, 6, 8]),                          # one count: (k+1)/4 below it
     ((None, None, None, [6, 6, 6]), True, [0, 2, 4, 6]),                           # drafter: k/3 below, 0 at k = 0
@@ -65,17 +65,17 @@ def test_estimate_table(samples, drafter, want):
     assert _estimate(cells(*samples), drafter) == pytest.approx(want)
 
 
-def test_cell_value_is_the_lower_quartile_of_the_last_nine_samples():
+def test_cell_value_is_a_trimmed_mean_of_the_last_nine_samples():
     c = pol._Cell()
-    for x, want in [(5.0, 5.0), (3.0, 3.0), (9.0, 3.0), (1.0, 1.0), (7.0, 3.0)]:   # sorted[(n - 1) // 4]
+    for x, want in [(5.0, 5.0), (3.0, 3.0),             # fewer than 3 samples: the smallest
+                    (9.0, 4.0),                         # 3 5 9: median 5, 9 > 7.5 dropped: mean of 3, 5
+                    (4.0, 4.0),                         # 3 4 5 9: median 5 (upper middle), 9 dropped: (3+4+5)/3
+                    (4.5, 4.125)]:                      # 3 4 4.5 5 9: median 4.5, cut 6.75: (3+4+4.5+5)/4
         c.add(x)
-        assert c.value == want
-    for x, want in [(6.0, 3.0), (8.0, 3.0), (4.0, 3.0), (2.0, 3.0)]:   # 9 samples: 1 2 3 4 5 6 7 8 9 -> 3rd
+        assert c.value == pytest.approx(want)
+    for x in [2.0] * 9:                                 # the ring forgets the old ones
         c.add(x)
-        assert c.value == want
-    for x in [2.5] * 9:                                                  # the ring forgets the old ones
-        c.add(x)
-    assert c.value == 2.5 and len(c.samples) == pol.RING
+    assert c.value == 2.0 and len(c.samples) == pol.RING
 
 
 def test_step_costs_are_per_row_and_a_new_bucket_borrows_the_nearest():

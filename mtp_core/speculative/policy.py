@@ -19,8 +19,8 @@ that many. Two policies (`speculative_config.draft_len_policy`):
   k = 3 steps costs ~25% more at batch 16). The engine's first 3 decode steps run cold and are not
   measured. On a CPU the clock is the engine thread's CPU time (time.thread_time: other processes on a
   shared machine and idle time between requests stay out of it), elsewhere wall time. Each cell keeps its
-  last 9 samples and takes their lower quartile (timing errors are delays, in bursts). A cell with fewer
-  than 3 samples is replaced by what the bucket's other cells predict (least-squares line in k) when that
+  last 9 samples and takes their mean without those above 1.5x their median (delays by other work come in
+  bursts). A cell with fewer than 3 samples is replaced by what the bucket's other cells predict (least-squares line in k) when that
   is lower, and an unmeasured count gets the prediction (from one measured count, optimistically: flat
   above it, proportional below it); a bucket with no measurement borrows the nearest bucket's. With
   nothing measured at all the first steps draft nothing, and the optimistic predictions get the other
@@ -28,7 +28,8 @@ that many. Two policies (`speculative_config.draft_len_policy`):
 
   Acceptance. a_j = the chance that draft j is accepted when drafts 1..j-1 were, per request: an
   exponentially weighted mean of its own steps (weight 0.1; the first observations weigh 1/(n+4), the
-  prior counting as 4), starting from the engine-wide mean (weight 0.05, prior 0.8 counting as 8). A
+  prior counting as 4, and so do the first ones after 16 steps without any), starting from the
+  engine-wide mean (weight 0.05, prior 0.8 counting as 8). A
   position a request does not observe moves 10% per step back to the engine-wide value (what it showed
   goes stale: a reasoning trace changes phase), and the engine-wide value moves 0.5% per step back to
   the prior while no request verifies a draft, so a long stretch at 0 is re-tried, rarely.
@@ -46,7 +47,7 @@ that many. Two policies (`speculative_config.draft_len_policy`):
 
   Catch-up. A row at 0 skips the drafter and its MTP caches lag (see adaptive.py); the first step that
   drafts for it again runs the MTP forward over every lagging position, c seconds each (measured: the
-  drafter's time in such steps beyond its usual time at that count, the smallest recent value; before
+  drafter's time in such steps beyond its usual time at that count, the median of recent values; before
   that, a k = 0 step's per-row time x MTP modules run / main layers). So the choice compares drafting
   with the lagging rows (their catch-up amortised over their remaining steps, at most 128) and without
   them (they stay at 0, the others draft), and takes the better. Where drafting loses for every row
@@ -84,6 +85,7 @@ RELAX = 0.1                # per step a draft position is not observed, a reques
                            # far back to the engine-wide one (what it showed goes stale: a trace changes phase)
 GLOBAL_RELAX = 0.005        # per step in which no request verified a draft, the engine-wide estimate moves this
                            # far back to PRIOR_ACCEPT (so that a long run at 0 drafts is re-tried, rarely)
+STALE = 16                 # steps without an observation after which an estimate learns as if new again
 EXPLORE_BUDGET = 0.01      # expected throughput spent on re-trying counts that are not the best
 MIN_EXPLORE_GAP = 32       # decisions of one batch-size bucket between two re-tries, at least
 HORIZON = 128              # steps over which a catch-up is amortised, at most (the rest of the request)
@@ -99,10 +101,10 @@ def bucket(batch_size: int) -> int:
 
 
 class _Cell:
-    """The last RING samples of one cost cell; its value is their lower quartile (the smallest of fewer
-    than 4). A step's time on a shared machine errs by delays only (another process, an interrupt, a
-    collection), and they come in bursts: a low quantile ignores them where a median of a few samples
-    would not; they would hit every count alike, so the comparison between counts keeps its sense."""
+    """The last RING samples of one cost cell. Its value is their mean without the samples above 1.5x their
+    median (a step on a shared machine is now and then delayed, in bursts, by other work), or the smallest
+    of fewer than 3 samples. The mean, not a low quantile: a drafting step's own cost varies (the MTP
+    forward covers the tokens each row accepted), and tokens per second follow its mean."""
     __slots__ = ("samples", "next", "value")
 
     def __init__(self) -> None:
@@ -116,7 +118,13 @@ class _Cell:
         else:
             self.samples[self.next] = x
             self.next = (self.next + 1) % RING
-        self.value = sorted(self.samples)[(len(self.samples) - 1) // 4]
+        s = sorted(self.samples)
+        if len(s) < 3:
+            self.value = s[0]
+            return
+        cut = 1.5 * s[len(s) // 2]
+        kept = [x for x in s if x <= cut]
+        self.value = sum(kept) / len(kept)
 
 
 def _predict(points: list[tuple[int, float, int]], k: int, first: int) -> Optional[float]:
@@ -199,9 +207,11 @@ class StepCosts:
 
     @property
     def catchup_s(self) -> Optional[float]:
-        """Seconds per lagging position: the smallest of the last RING measurements. A catch-up always follows
-        a change of count, whose own extra cost (module doc, record_step) the measurement cannot separate."""
-        return min(self._catchup.samples) if self._catchup.samples else None
+        """Seconds per lagging position: the median of the last RING measurements (each the difference of two
+        noisy times, so errors go both ways; a catch-up also follows a change of count, whose own extra cost
+        the measurement cannot separate)."""
+        s = sorted(self._catchup.samples)
+        return s[len(s) // 2] if s else None
 
     def per_row(self, batch_size: int) -> Optional[tuple[list[float], list[float]]]:
         """(target part, drafter part) per row for k = 0..K at this batch size; None when nothing is measured.
@@ -461,9 +471,11 @@ class DraftLenPolicy:
             seq.accept_n = 0
         g = self.accept
         # the n-th observation weighs 1/(n + PRIOR_WEIGHT) (the prior counts as that many) until that is
-        # below the fixed weight
-        seq.accept_n += 1
-        self._num_observed += 1
+        # below the fixed weight; after STALE steps without an observation the count starts again (what was
+        # learnt before is a prior now: the request, or the workload, may have changed)
+        now = self.num_steps
+        seq.accept_n = 1 if now - seq.accept_step > STALE else seq.accept_n + 1
+        self._num_observed = 1 if now - self._glob_seen > STALE else self._num_observed + 1
         w = max(ACCEPT_WEIGHT, 1.0 / (seq.accept_n + PRIOR_WEIGHT))
         wg = max(GLOBAL_WEIGHT, 1.0 / (self._num_observed + 2 * PRIOR_WEIGHT))
         seen = min(accepted + 1, proposed)
