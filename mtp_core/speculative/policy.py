@@ -83,7 +83,7 @@ PRIOR_WEIGHT = 4           # observations a request's prior (the engine-wide est
                            # engine-wide estimate's prior counts twice that
 RELAX = 0.1                # per step a draft position is not observed, a request's estimate there moves this
                            # far back to the engine-wide one (what it showed goes stale: a trace changes phase)
-GLOBAL_RELAX = 0.005        # per step in which no request verified a draft, the engine-wide estimate moves this
+GLOBAL_RELAX = 0.005       # per step in which no request verified a draft, the engine-wide estimate moves this
                            # far back to PRIOR_ACCEPT (so that a long run at 0 drafts is re-tried, rarely)
 STALE = 16                 # steps without an observation after which an estimate learns as if new again
 EXPLORE_BUDGET = 0.01      # expected throughput spent on re-trying counts that are not the best
