@@ -108,6 +108,9 @@ def bench_command(
                                                              help="Relaxed acceptance inside <think>...</think>."),
     relaxed_topk: int = typer.Option(1, "--relaxed_topk", help="Relaxed acceptance: candidates from the top-k."),
     relaxed_delta: float = typer.Option(0.0, "--relaxed_delta", help="Relaxed acceptance: probability margin."),
+    spec_decode_draft_len_policy: str = typer.Option(
+        "cost", "--spec_decode_draft_len_policy",
+        help="cost: 0..K drafts per step from measured step costs (default); fixed: K every step."),
     spec_decode_draft_confidence: float = typer.Option(0.0, "--spec_decode_draft_confidence",
                                                        help="Stop drafting below this draft-probability product (0 = off)."),
     spec_decode_draft_len_schedule: Optional[str] = typer.Option(None, "--spec_decode_draft_len_schedule",
@@ -174,6 +177,8 @@ def bench_command(
         ds = dataset_info(str(dataset), in_file, prompts, outs, [r.extra.get("task") for r in requests])
         report = build_report(records, cfg, llm.model, concurrency, streaming, ds,
                               {"warmup": warmup, "ignore_eos": ignore_eos})
+        if cfg.speculative_config is not None:
+            report["draft_len_policy"] = llm.engine.policy.summary()   # its cost table, acceptance, re-tries
         report["prefix_cache"] = {"enabled": cfg.kv_cache_config.enable_block_reuse,
                                   **llm.engine.blocks.stats.as_dict()}
         if roofline:

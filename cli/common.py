@@ -22,7 +22,7 @@ EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPT, EXIT_PIPE = 0, 1, 2, 130, 141
 SPEC_FLAGS = ("spec_decode_max_draft_len", "use_relaxed_acceptance_for_thinking", "relaxed_topk",
               "relaxed_delta", "use_mtp_vanilla", "mtp_mode", "spec_decode_draft_confidence",
               "spec_decode_draft_len_schedule", "spec_decode_acceptance_window",
-              "spec_decode_acceptance_length_threshold")
+              "spec_decode_acceptance_length_threshold", "spec_decode_draft_len_policy")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 GPU_MOE_BACKENDS = ("CUTLASS", "TRTLLM", "WIDEEP", "CUTEDSL", "DEEPGEMM", "TRITON")
 
@@ -212,8 +212,12 @@ def adaptive_options(p: dict[str, Any]) -> dict[str, Any]:
     if over is not None and p.get("extra_llm_api_options") is None:     # (a YAML file may set K itself)
         raise ValueError(f"--spec_decode_draft_len_schedule: {over[1]} drafts at batch size {over[0]} exceed "
                          f"--spec_decode_max_draft_len {K}; lower the entry or raise the draft length")
+    policy = str(p.get("spec_decode_draft_len_policy") or "cost").lower()
+    if policy not in ("cost", "fixed"):
+        raise ValueError(f"--spec_decode_draft_len_policy must be cost (0..K drafts per step from measured costs) or "
+                         f"fixed (K every step), got {policy!r}")
     return dict(draft_confidence_threshold=float(c or 0.0), draft_len_schedule=sched, acceptance_window=w,
-                acceptance_length_threshold=float(t))
+                acceptance_length_threshold=float(t), draft_len_policy=policy)
 
 
 def default_device() -> str:

@@ -116,6 +116,10 @@ def quickstart_command(
     use_mtp_vanilla: bool = typer.Option(False, "--use_mtp_vanilla", help="MTP Vanilla (K distinct modules)."),
     mtp_mode: MtpMode = typer.Option(MtpMode.auto, "--mtp_mode", case_sensitive=False,
                                      help="auto: one MTP module -> eagle, more -> vanilla."),
+    spec_decode_draft_len_policy: str = typer.Option(
+        "cost", "--spec_decode_draft_len_policy",
+        help="cost: each step verifies the 0..K drafts with the most expected tokens/s, from measured step costs "
+             "and each request's acceptance (0 where MTP loses); fixed: K every step."),
     spec_decode_draft_confidence: float = typer.Option(
         0.0, "--spec_decode_draft_confidence",
         help="Adaptive drafting: stop a step's drafts when the product of their probabilities falls below this, in [0, 1) (0 = off)."),

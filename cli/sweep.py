@@ -35,6 +35,10 @@ def sweep_command(
     relaxed_topk: int = typer.Option(10, "--relaxed_topk", help="Relaxed acceptance: candidates from the top-k."),
     relaxed_delta: float = typer.Option(0.6, "--relaxed_delta", help="Relaxed acceptance: probability margin."),
     relaxed_mode: str = typer.Option("auto", "--relaxed_mode", help="auto | eagle | vanilla."),
+    policy_nextn: Optional[int] = typer.Option(
+        None, "--policy_nextn",
+        help="Max K of the `eagle policy` / `vanilla policy` rows: the default draft-length policy, which picks "
+             "0..K drafts per step from measured costs (default: --max_nextn; 0 = none). Every other row is fixed K."),
     adaptive_nextn: Optional[int] = typer.Option(
         None, "--adaptive_nextn",
         help="Max K of the `eagle adaptive` / `vanilla adaptive` rows (default: --max_nextn; 0 = none)."),
@@ -124,7 +128,8 @@ def sweep_command(
             raise ValueError(f"--adaptive_confidence must be in [0, 1), got {adaptive_confidence}")
         schedule = parse_schedule(adaptive_schedule, "--adaptive_schedule") if adaptive_schedule else None
         settings = sw.sweep_settings(model.num_mtp_modules, max_nextn, mode_list,
-                                     relaxed_nextn, relaxed_topk, relaxed_delta, relaxed_mode)
+                                     relaxed_nextn, relaxed_topk, relaxed_delta, relaxed_mode,
+                                     policy_nextn=max_nextn if policy_nextn is None else policy_nextn)
         for c in confidences:
             settings += sw.sweep_settings(model.num_mtp_modules, 0, mode_list, 0,
                                           adaptive_nextn=max_nextn if adaptive_nextn is None else adaptive_nextn,

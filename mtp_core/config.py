@@ -219,7 +219,10 @@ class SpeculativeConfig:
     relaxed_delta: float = 0.0
     use_mtp_vanilla: bool = False
     mtp_mode: str = "auto"                     # auto | eagle | vanilla
-    # adaptive draft length (mtp_core/speculative/adaptive.py); the defaults draft K every step
+    # how many drafts a step verifies (mtp_core/speculative/policy.py): cost = 0..K chosen per step from
+    # measured step costs and each request's acceptance; fixed = K every step (before the policy)
+    draft_len_policy: str = "cost"
+    # explicit adaptive rules (mtp_core/speculative/adaptive.py); they bound the policy's choice
     draft_confidence_threshold: float = 0.0    # stop a chain when the product of draft probabilities < this
     draft_len_schedule: Optional[dict] = None  # {batch size: max drafts}, e.g. {1: 4, 4: 2, 16: 0}
     acceptance_window: int = 0                 # steps in a request's window (0 = off)
@@ -251,6 +254,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.mtp_mode must be one of {', '.join(MTP_MODES)}, "
                              f"got {self.mtp_mode!r}")
         from mtp_core.speculative.adaptive import validate_adaptive
+        from mtp_core.speculative.policy import POLICIES
+        if self.draft_len_policy not in POLICIES:
+            raise ValueError(f"speculative_config.draft_len_policy must be one of {', '.join(POLICIES)} (cost: choose "
+                             f"0..K drafts per step from measured costs; fixed: K every step), got "
+                             f"{self.draft_len_policy!r}")
         validate_adaptive(self)
 
     @property

@@ -92,7 +92,8 @@ SCHEMA: dict[str, Leaf | Section] = {
         "relaxed_delta": Leaf("float", ">= 0", lambda v: v >= 0, flags=("relaxed_delta",)),
         "use_mtp_vanilla": _bool("use_mtp_vanilla"),
         "mtp_mode": _choice(MTP_MODES, str.lower, "mtp_mode"),
-        # adaptive draft length (mtp_core/speculative/adaptive.py)
+        # draft length: the policy (mtp_core/speculative/policy.py) and the explicit rules that bound it
+        "draft_len_policy": _choice(("cost", "fixed"), str.lower, "spec_decode_draft_len_policy"),
         "draft_confidence_threshold": Leaf("float", "in [0, 1); 0 = off", lambda v: 0 <= v < 1,
                                            flags=("spec_decode_draft_confidence",)),
         "draft_len_schedule": Leaf("intmap", "a mapping of batch size >= 1 to max drafts >= 0, e.g. {1: 4, 4: 2, 16: 0}",

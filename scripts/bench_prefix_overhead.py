@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    spec = SpeculativeConfig(num_nextn_predict_layers=a.k, mtp_mode=a.mtp_mode) if a.k else None
+    spec = SpeculativeConfig(num_nextn_predict_layers=a.k, mtp_mode=a.mtp_mode, draft_len_policy="fixed") if a.k else None
     base = LLMConfig(model_dir="mtp_core/assets/tiny-r1", dtype="float32", speculative_config=spec,
                      max_batch_size=a.concurrency, kv_cache_config=KvCacheConfig())
     llm = LLM(base)

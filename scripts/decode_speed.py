@@ -24,7 +24,7 @@ ASSET = Path(__file__).resolve().parent.parent / "mtp_core" / "assets" / "tiny-r
 prompts = [load_eval_set(ASSET / f"eval/eval_{f}.jsonl")[0]["prompt"] for f in ("add", "sort", "count")]
 result = {}
 for K, mode in ((0, "auto"), (3, "eagle"), (3, "vanilla")):
-    spec = SpeculativeConfig(num_nextn_predict_layers=K, mtp_mode=mode) if K else None
+    spec = SpeculativeConfig(num_nextn_predict_layers=K, mtp_mode=mode, draft_len_policy="fixed") if K else None
     llm = LLM(LLMConfig(model_dir=str(ASSET), dtype="float32", max_batch_size=1, speculative_config=spec))
     params = SamplingParams(max_tokens=128, ignore_eos=True)
     llm.generate(prompts[:1], params)                                    # warm-up

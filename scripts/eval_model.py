@@ -47,7 +47,8 @@ llm = LLM(LLMConfig(model_dir=args.model_dir, dtype=args.dtype, max_batch_size=1
                         mtp_mode=args.mode or ("vanilla" if args.relaxed else "eagle"),
                         use_relaxed_acceptance_for_thinking=args.relaxed,
                         relaxed_topk=args.relaxed_topk if args.relaxed else 1,
-                        relaxed_delta=args.relaxed_delta if args.relaxed else 0.0)))
+                        relaxed_delta=args.relaxed_delta if args.relaxed else 0.0,
+                        draft_len_policy="fixed")))   # relaxed text depends on the drafts verified: K every step
 t0 = time.perf_counter()
 texts = []
 for i in range(0, len(records), 32):     # in chunks; only the texts are kept

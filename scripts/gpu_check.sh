@@ -126,7 +126,7 @@ for K in (0, 3):
     for batch in (1, 4):
         res = {}
         for cg in (None, CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True)):
-            spec = SpeculativeConfig(num_nextn_predict_layers=K, mtp_mode="eagle") if K else None
+            spec = SpeculativeConfig(num_nextn_predict_layers=K, mtp_mode="eagle", draft_len_policy="fixed") if K else None
             llm = LLM(LLMConfig(model_dir="mtp_core/assets/tiny-r1", dtype="bfloat16", device="cuda",
                                 max_batch_size=4, speculative_config=spec, cuda_graph_config=cg))
             sp = SamplingParams(max_tokens=96, ignore_eos=True)

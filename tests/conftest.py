@@ -105,8 +105,13 @@ def models(tiny1_model, tiny3_model) -> dict[str, DeepseekV3ForCausalLM]:
 
 def llm_config(model_dir: str | Path = "", nextn: int = 0, mode: str = "auto", max_tokens_kv: int = 4096,
                tokens_per_block: int = 8, spec: Optional[dict[str, Any]] = None, **fields: Any) -> LLMConfig:
-    """LLMConfig with a small explicit KV pool; nextn > 0 turns MTP on (mode: auto | eagle | vanilla)."""
-    spec_cfg = SpeculativeConfig(num_nextn_predict_layers=nextn, mtp_mode=mode, **(spec or {})) if nextn else None
+    """LLMConfig with a small explicit KV pool; nextn > 0 turns MTP on (mode: auto | eagle | vanilla).
+
+    The draft-length policy is `fixed` here unless `spec` names one: most tests count drafts and steps,
+    which the default `cost` policy would make depend on this machine's timings (tests/test_policy.py runs
+    the cost policy, with measured and with scripted costs)."""
+    spec_cfg = SpeculativeConfig(num_nextn_predict_layers=nextn, mtp_mode=mode,
+                                 **{"draft_len_policy": "fixed", **(spec or {})}) if nextn else None
     fields.setdefault("overlap_scheduler_on_cpu", True)     # keep the overlap path under test on CPU
     fields.setdefault("dtype", "float32")
     return LLMConfig(model_dir=str(model_dir), speculative_config=spec_cfg,

@@ -185,8 +185,10 @@ def dataset(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("concurrency, extra", [
     (1, []), (2, []),
-    (1, ["--spec_decode_algo", "MTP", "--spec_decode_nextn", "2"]),
-    (2, ["--spec_decode_algo", "mtp", "--spec_decode_nextn", "3", "--mtp_mode", "eagle", "--streaming"]),
+    (1, ["--spec_decode_algo", "MTP", "--spec_decode_nextn", "2", "--spec_decode_draft_len_policy", "fixed"]),
+    (2, ["--spec_decode_algo", "mtp", "--spec_decode_nextn", "3", "--mtp_mode", "eagle", "--streaming",
+         "--spec_decode_draft_len_policy", "fixed"]),
+    (2, ["--spec_decode_algo", "MTP", "--spec_decode_nextn", "3", "--mtp_mode", "eagle"]),      # the default policy
 ])
 def test_bench_cli(tmp_path: Path, tiny3_dir: Path, dataset: Path, concurrency: int, extra: list[str]) -> None:
     report_path = tmp_path / "report.json"
@@ -214,16 +216,23 @@ def test_bench_cli(tmp_path: Path, tiny3_dir: Path, dataset: Path, concurrency: 
     assert d["acceptance_length"] == pytest.approx(24 / d["num_decoding_steps"])
     K = int(extra[extra.index("--spec_decode_nextn") + 1]) if extra else 0
     assert d["max_draft_len"] == K and rep["world_info"]["concurrency"] == concurrency
+    fixed = "fixed" in extra
     if K:
         decode_steps = d["num_decoding_steps"] - 3                  # every step after each request's prefill
+        assert sum(d["drafts_per_step_histogram"]) == decode_steps
+        assert sum(d["draft_limit_histogram"]) == decode_steps      # a choice per step but each request's last
+        assert rep["draft_len_policy"]["policy"] == ("fixed" if fixed else "cost")
+        assert rep["engine"]["speculative_config"]["draft_len_policy"] == rep["draft_len_policy"]["policy"]
+        assert "Drafts chosen per step (0..K)" in r.stdout and "Draft-length policy" in r.stdout
+    if K and fixed:
         assert d["spec_decode_num_drafts"] == decode_steps and d["num_draft_tokens"] == K * decode_steps
         assert len(d["spec_decode_num_accepted_tokens_per_pos"]) == K
         assert d["num_accepted_draft_tokens"] >= 24 - d["num_decoding_steps"]
         assert d["draft_acceptance_rate"] == pytest.approx(d["num_accepted_draft_tokens"] / d["num_draft_tokens"])
-    else:
+    elif not K:
         assert d["num_decoding_steps"] == 24 and d["num_draft_tokens"] == 0
     assert (rep["streaming_metrics"]["itl_percentiles"] is not None) == ("--streaming" in extra)
-    if K:
+    if K and fixed:
         assert d["drafts_per_step_histogram"] == [0] * K + [d["spec_decode_num_drafts"]]     # fixed K: always K
         assert d["waste_verified_per_accepted"] == pytest.approx(d["num_draft_tokens"] / d["num_accepted_draft_tokens"])
 
@@ -261,6 +270,10 @@ def test_sweep_settings() -> None:
     assert [(s.mode, s.K, s.relaxed) for s in one] == [("none", 0, False), ("eagle", 1, False),
                                                        ("eagle", 2, False), ("eagle", 2, True)]
     assert len(sweep_settings(0, 5)) == 1
+    with_policy = sweep_settings(3, 2, relaxed_nextn=0, policy_nextn=5)
+    assert [(s.label, s.K, s.policy) for s in with_policy[-2:]] == [("eagle policy (K<=5)", 5, "cost"),
+                                                                   ("vanilla policy (K<=3)", 3, "cost")]
+    assert all(s.policy == "fixed" for s in with_policy[:-2])
     with pytest.raises(ValueError, match="relaxed_nextn"):
         sweep_settings(2, 3, relaxed_nextn=3, relaxed_mode="vanilla")
 
@@ -277,8 +290,14 @@ def test_sweep_cli(tmp_path: Path, tiny3_dir: Path) -> None:
     from cli.sweep import DEFAULT_CONFIDENCE
     c = f"c={DEFAULT_CONFIDENCE:g}"
     assert [x["label"] for x in rows] == ["nextn=0", "eagle K=1", "eagle K=2", "vanilla K=1", "vanilla K=2",
-                                          "vanilla K=2 relaxed(top10,d0.6)", f"eagle adaptive (K<=2 {c})",
+                                          "vanilla K=2 relaxed(top10,d0.6)", "eagle policy (K<=2)",
+                                          "vanilla policy (K<=2)", f"eagle adaptive (K<=2 {c})",
                                           f"vanilla adaptive (K<=2 {c})"]
+    assert [x["policy"] for x in rows] == [None] + ["fixed"] * 5 + ["cost"] * 2 + ["fixed"] * 2
+    for x in rows[1:8]:      # a choice per step of a request but its last (2 requests): what the policy chose
+        hist = x["chosen_drafts_histogram"]
+        assert len(hist) <= 3 and sum(hist) == x["decoding_stats"]["num_decoding_steps"] - 2
+    assert rows[1]["chosen_drafts_histogram"] == [0, rows[1]["decoding_stats"]["num_decoding_steps"] - 2]   # K=1
     adaptive = rows[-1]["decoding_stats"]
     assert sum(adaptive["drafts_per_step_histogram"]) == adaptive["num_decoding_steps"] - 2   # minus the prefills
     assert rows[-1]["mean_drafts_per_step"] <= 2

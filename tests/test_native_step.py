@@ -87,3 +87,15 @@ def test_native_step_refuses_bad_tables(models) -> None:
     with pytest.raises(RuntimeError, match="mtp_layer"):
         torch.ops.mtp_core.mtp_step(nd.handle, args["ids"], args["qs"], args["start"], table, args["nd_"],
                                     eng.caches, nd.rope_cos, nd.rope_sin, 0)
+
+
+def test_native_step_under_the_cost_policy_is_lossless(models) -> None:
+    """The default draft-length policy (measured costs) with the native step: each row's next drafts are the
+    count the policy chose last, cut to its new choice; greedy output stays exactly plain greedy."""
+    model = models["tiny3"]
+    prompts = PROMPTS[:6]
+    _, eng = engines(model, nextn=3, mode="eagle", max_batch_size=4, spec=dict(draft_len_policy="cost"))
+    assert not eng.native_step.fixed_counts
+    seqs = run_to_end(eng, prompts, greedy(MAX_TOKENS))
+    assert [s.output_ids for s in seqs] == [reference(model, p, MAX_TOKENS) for p in prompts]
+    assert eng.native_step.num_replays > 0

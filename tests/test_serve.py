@@ -118,6 +118,7 @@ def test_completions_equal_offline_greedy(servers, offline, which) -> None:
     if which == "mtp":
         assert m["mtp_spec_decode_num_draft_tokens_total"] > 0
         assert m['mtp_spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] >= 0
+        assert m['mtp_spec_decode_chosen_drafts_total{drafts="2"}'] > 0        # K = 2, fixed policy here
         assert m["mtp_spec_decode_acceptance_length"] >= 1.0
     else:
         assert m["mtp_spec_decode_num_draft_tokens_total"] == 0
@@ -178,6 +179,7 @@ def test_models_health_and_metrics_format(servers) -> None:
     for name in ("mtp_num_requests_running", "mtp_num_requests_waiting", "mtp_generation_tokens_total",
                  "mtp_engine_step_seconds_count", "mtp_spec_decode_num_drafts_total",
                  "mtp_spec_decode_acceptance_per_position", "mtp_spec_decode_acceptance_length",
+                 "mtp_spec_decode_chosen_drafts_total",
                  "mtp_prefix_cache_hits_tokens_total", "mtp_prefix_cache_token_hit_rate"):
         assert f"# TYPE {name.removesuffix('_count')} " in text, name
     for line in text.splitlines():               # every sample line: name{labels} number

@@ -13,8 +13,9 @@ import torch
 
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative.stats import SpecStats
+from mtp_core.engine.graph_runner import verify_static
 from mtp_core.speculative.verifier import (
-    relaxed_candidates, verify, verify_relaxed_row, verify_sampled_row, verify_strict,
+    relaxed_counted, verify, verify_relaxed_row, verify_sampled_row, verify_strict,
 )
 
 torch.set_num_threads(1)
@@ -95,11 +96,112 @@ RELAXED_PROBS = [
 ]
 
 
+def counted_set(logits: torch.Tensor, topk: int, delta: float) -> list[list[int]]:
+    """Per position, the ids relaxed acceptance counts (sorted)."""
+    return [sorted(torch.nonzero(row).flatten().tolist()) for row in relaxed_counted(logits, topk, delta)]
+
+
 def test_relaxed_candidates_table():
-    ids, counted = relaxed_candidates(from_probs(RELAXED_PROBS), topk=3, delta=0.2)
-    assert ids[:, 0].tolist() == [A, C, F, H, A]
-    got = [sorted(int(t) for t, c in zip(ids[i], counted[i]) if c) for i in range(4)]
-    assert got == [[A, B], [C], [D, F, G], [H]]
+    assert counted_set(from_probs(RELAXED_PROBS[:4]), topk=3, delta=0.2) == [[A, B], [C], [D, F, G], [H]]
+
+
+def exact_probs(*p: float) -> list[float]:
+    """A full probability vector over V tokens (the listed ones, zeros after)."""
+    return list(p) + [0.0] * (V - len(p))
+
+
+def logits_of(probs: list[float]) -> torch.Tensor:
+    """log p per token (log 0 = -inf): softmax gives back exactly these probabilities, zeros as zeros."""
+    return torch.tensor(probs, dtype=torch.float64).log().float()
+
+
+# Hand-checkable relaxed tables. Candidates = the first topk tokens by probability, ties to the lower id;
+# the top-1 always counts; another candidate counts iff p > 0 and p >= p_top1 - delta; delta 0 or topk 1 =
+# strict (top-1 only).
+RELAXED_TABLE = [
+    # (probs, topk, delta, counted ids)                                             top-1, why
+    (exact_probs(.4, .35, .15, .1), 3, 0.2, [A, B]),          # top-1 A; threshold .2: C .15 below
+    (exact_probs(.4, .2, .2, .2), 2, 0.5, [A, B]),            # top-1 A; B C D tie at .2: only B (lowest id) fits top-2
+    (exact_probs(.4, .2, .2, .2), 3, 0.5, [A, B, C]),         # top-3: B and C of the tied three
+    (exact_probs(.3, .3, .2, .2), 2, 0.1, [A, B]),            # A and B tie for top-1: A is top-1 (lower id), B counts
+    (exact_probs(.3, .3, .2, .2), 1, 0.9, [A]),               # topk 1 = strict: the tied B does not count
+    (exact_probs(.3, .3, .2, .2), 4, 0.0, [A]),               # delta 0 = strict, even for the tie
+    (exact_probs(.5, .3, .2), 5, 0.9, [A, B, C]),             # threshold -.4 < 0: every p > 0 of the top-5, zeros never
+    ([0.0] * 3 + [1.0] + [0.0] * (V - 4), V, 1.0, [D]),      # one token has all the mass: the zeros never count
+    (exact_probs(.1, .1, .1, .1, .1, .1, .1, .1, .1, .1), 3, 0.05, [A, B, C]),  # all tied: the three lowest ids
+]
+
+
+@pytest.mark.parametrize("probs,topk,delta,counted", RELAXED_TABLE)
+def test_relaxed_counted_table(probs, topk, delta, counted):
+    assert counted_set(logits_of(probs)[None], topk, delta) == [counted]
+
+
+def test_relaxed_never_accepts_a_zero_probability_draft_the_peers_case():
+    """The peer's case: logits [5, 4, -100, -100, -100] at every position, drafts [4, 4], top-3, delta 0.95.
+    # probs = [.731, .269, 0, 0, 0] (e^-105 underflows in float32); top-1 id = 0; counted = {0, 1}
+    Token 4 has p = 0: rejected at position 0, so the row emits only the top-1, [0] (was [4, 4, 0])."""
+    logits = torch.tensor([[5.0, 4.0, -100.0, -100.0, -100.0]] * 3)          # [K+1 = 3, V = 5]
+    drafts = torch.tensor([4, 4])
+    p = torch.softmax(logits[0], -1)
+    assert p[2:].tolist() == [0.0, 0.0, 0.0] and p[0] - 0.95 < 0           # the premise: zeros, negative threshold
+    assert counted_set(logits, 3, 0.95) == [[0, 1]] * 3
+    assert verify_relaxed_row(logits, drafts, topk=3, delta=0.95) == [0]
+    assert verify(logits[None], drafts[None], [SamplingParams()], [(3, 0.95)], [None]).tokens == [[0]]
+    m, emitted = verify_static(logits[None], drafts[None], torch.tensor([True]), (3, 0.95))
+    assert m.tolist() == [0] and emitted[0, :1].tolist() == [0]
+    # token 1 (p = .269 >= .731 - .95) is a counted candidate: drafts [1, 1] are both accepted
+    assert verify_relaxed_row(logits, torch.tensor([1, 1]), topk=3, delta=0.95) == [1, 1, 0]
+
+
+# Drafts through each implementation of relaxed acceptance (eager row, dispatcher, static step):
+#   pos 0: probs .4 .2 .2 .2 (A B C D), top-2, delta .5 -> counted {A, B}
+#   pos 1: probs .3 .3 .2 .2 (A B C D)                 -> counted {A, B} (tie for top-1: A is the top-1)
+#   pos 2: probs 1 at H                                -> counted {H}; emitted bonus = H when reached
+RELAXED_ROWS = [exact_probs(.4, .2, .2, .2), exact_probs(.3, .3, .2, .2), [0.0] * 7 + [1.0] + [0.0] * (V - 8)]
+RELAXED_DRAFT_TABLE = [
+    # drafts   emitted       case
+    ([B, B], [B, B, H]),     # both lower candidates accepted, then the top-1 of pos 2
+    ([C, A], [A]),           # C ties with B at pos 0 but is outside the top-2 by id: rejected, bonus = top-1 A
+    ([A, C], [A, A]),        # pos 1 rejects C (outside the top-2), bonus = A (argmax takes the lower tied id)
+    ([E, A], [A]),           # p(E) = 0: never counted
+]
+
+
+@pytest.mark.parametrize("drafts,emitted", RELAXED_DRAFT_TABLE)
+@pytest.mark.parametrize("impl", ["row", "dispatch", "static"])
+def test_relaxed_draft_table_every_implementation(impl, drafts, emitted):
+    logits = torch.stack([logits_of(p) for p in RELAXED_ROWS])                  # [K+1 = 3, V]
+    d = torch.tensor(drafts)
+    if impl == "row":
+        got = verify_relaxed_row(logits, d, topk=2, delta=0.5)
+    elif impl == "dispatch":
+        got = verify(logits[None], d[None], [SamplingParams()], [(2, 0.5)], [None]).tokens[0]
+    else:
+        m, out = verify_static(logits[None], d[None], torch.tensor([True]), (2, 0.5))
+        got = out[0, : int(m) + 1].tolist()
+    assert got == emitted
+
+
+def test_static_verification_equals_the_eager_verifier_on_random_rows():
+    """verify_static (thinking and plain rows mixed) against verify_relaxed_row / verify_strict, with ties
+    and zero probabilities made common by rounding logits to a coarse grid with many -inf entries."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        B, K = 3, 1 + trial % 4
+        logits = (torch.randn(B, K + 1, V, generator=g) * 2).round()
+        logits[torch.rand(B, K + 1, V, generator=g) < 0.4] = float("-inf")
+        logits[..., 0] = logits[..., 0].clamp(min=0.0)                             # some finite logit per row
+        drafts = torch.randint(0, V, (B, K), generator=g)
+        take = torch.rand(B, K, generator=g) < 0.6                                  # many drafts = the target
+        drafts = torch.where(take, logits[:, :K].argmax(-1), drafts)
+        thinking = torch.tensor([True, False, True])
+        topk, delta = 1 + trial % 5, [0.0, 0.3, 0.9][trial % 3]
+        m, out = verify_static(logits, drafts, thinking, (topk, delta))
+        for b in range(B):
+            want = (verify_relaxed_row(logits[b], drafts[b], topk, delta) if thinking[b]
+                    else verify_strict(logits[b][None], drafts[b][None]).tokens[0])
+            assert out[b, : int(m[b]) + 1].tolist() == want
 
 
 def test_relaxed_writeup_example():

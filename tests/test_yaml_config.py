@@ -413,7 +413,7 @@ def test_valid_yaml_keys_tree():
                 "moe_config": {"backend"},
                 "speculative_config": {"decoding_type", "num_nextn_predict_layers", "max_draft_len",
                                        "use_relaxed_acceptance_for_thinking", "relaxed_topk", "relaxed_delta",
-                                       "use_mtp_vanilla", "mtp_mode", "draft_confidence_threshold",
+                                       "use_mtp_vanilla", "mtp_mode", "draft_len_policy", "draft_confidence_threshold",
                                        "draft_len_schedule", "acceptance_window", "acceptance_length_threshold"},
                 "pytorch_backend_config": {"use_cuda_graph", "cuda_graph_batch_sizes", "cuda_graph_max_batch_size",
                                            "cuda_graph_padding_enabled", "enable_overlap_scheduler",
@@ -428,6 +428,7 @@ def test_valid_yaml_keys_tree():
     for name, keys in sections.items():
         assert set(tree[name]) == keys, name
     assert tree["speculative_config"]["relaxed_topk"] == "an integer >= 1"
+    assert tree["speculative_config"]["draft_len_policy"] == "a string one of cost, fixed"
     assert tree["kv_cache_config"]["free_gpu_memory_fraction"] == "a number in (0, 1]"
 
 

@@ -88,6 +88,7 @@ def engine_info(cfg: LLMConfig, model: Any) -> dict:
             "mtp_mode": spec.resolved_mode(model.num_mtp_modules),
             "use_relaxed_acceptance_for_thinking": spec.use_relaxed_acceptance_for_thinking,
             "relaxed_topk": spec.relaxed_topk, "relaxed_delta": spec.relaxed_delta,
+            "draft_len_policy": spec.draft_len_policy,
             "draft_confidence_threshold": spec.draft_confidence_threshold,
             "draft_len_schedule": spec.draft_len_schedule, "acceptance_window": spec.acceptance_window,
             "acceptance_length_threshold": spec.acceptance_length_threshold},
@@ -195,7 +196,10 @@ def format_report(r: dict) -> str:
             f"{a}/{n}" for a, n in zip(d["accepted_per_position"], d["proposed_per_position"])) + "]"),
         ("Drafts per decode step (0..K)", d["drafts_per_step_histogram"]),
         ("Mean drafts per decode step", d["mean_drafts_per_step"]),
-        ("Draft limit per step (0..K)", d["draft_limit_histogram"]),
+        ("Drafts chosen per step (0..K)", d["draft_limit_histogram"]),
+        *([("Draft-length policy", r["draft_len_policy"]["policy"]),
+           ("Policy re-tries of other counts", r["draft_len_policy"]["num_explorations"])]
+          if r.get("draft_len_policy") else []),
         ("Waste (verified / accepted)", d["waste_verified_per_accepted"]),
         ("Acceptance-window pauses", d["num_window_pauses"]),
         *_breakdown("AL", d["acceptance_length_percentiles"])]))

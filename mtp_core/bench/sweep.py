@@ -23,6 +23,9 @@ class Setting:
     relaxed: bool = False
     relaxed_topk: int = 1
     relaxed_delta: float = 0.0
+    # the draft-length policy (speculative/policy.py): every row but `eagle policy` / `vanilla policy` is
+    # fixed, so that K means K drafts per step
+    policy: str = "fixed"
     # adaptive draft length (rows `eagle adaptive` / `vanilla adaptive`; K is then the maximum)
     adaptive: bool = False
     confidence: float = 0.0
@@ -34,11 +37,13 @@ class Setting:
     def label(self) -> str:
         if self.K == 0:
             return "nextn=0"
+        if self.policy == "cost" and not self.adaptive:
+            return f"{self.mode} policy (K<={self.K})"
         if self.adaptive:
             parts = [f"K<={self.K}"] + ([f"c={self.confidence:g}"] if self.confidence else []) \
                 + ([f"sched={','.join(f'{b}:{k}' for b, k in self.schedule)}"] if self.schedule else []) \
                 + ([f"win={self.window}@{self.window_threshold:g}"] if self.window else [])
-            return f"{self.mode} adaptive ({' '.join(parts)})"
+            return f"{self.mode} adaptive ({' '.join(parts)})" + (" + policy" if self.policy == "cost" else "")
         if self.relaxed:
             return f"{self.mode} K={self.K} relaxed(top{self.relaxed_topk},d{self.relaxed_delta:g})"
         return f"{self.mode} K={self.K}"
@@ -48,9 +53,10 @@ def sweep_settings(num_modules: int, max_nextn: int = 5, modes: tuple[str, ...] 
                    relaxed_nextn: int = 3, relaxed_topk: int = 10, relaxed_delta: float = 0.6,
                    relaxed_mode: str = "auto", adaptive_nextn: int = 0, adaptive_confidence: float = 0.0,
                    adaptive_schedule: Optional[dict[int, int]] = None, adaptive_window: int = 0,
-                   adaptive_window_threshold: float = 0.0) -> list[Setting]:
+                   adaptive_window_threshold: float = 0.0, policy_nextn: int = 0) -> list[Setting]:
     """nextn=0; Eagle K=1..max_nextn; Vanilla K=1..min(max_nextn, modules) (skipped with one module, where
-    it is Eagle K=1); one relaxed setting at K=relaxed_nextn (0 = none)."""
+    it is Eagle K=1); one relaxed setting at K=relaxed_nextn (0 = none); with policy_nextn, the default
+    draft-length policy (draft_len_policy cost, K <= policy_nextn) per mode; then the adaptive rows."""
     if max_nextn < 0 or relaxed_nextn < 0:
         raise ValueError("--max_nextn and --relaxed_nextn must be >= 0")
     bad = [m for m in modes if m not in ("eagle", "vanilla")]
@@ -72,6 +78,12 @@ def sweep_settings(num_modules: int, max_nextn: int = 5, modes: tuple[str, ...] 
             raise ValueError(f"relaxed Vanilla at K={k} needs {k} MTP modules, the checkpoint has {num_modules}; "
                              "lower --relaxed_nextn or use --relaxed_mode eagle")
         out.append(Setting(mode, k, True, relaxed_topk, relaxed_delta))
+    if policy_nextn < 0:
+        raise ValueError("--policy_nextn must be >= 0")
+    for mode in modes if policy_nextn else ():
+        if mode == "vanilla" and num_modules < 2:
+            continue
+        out.append(Setting(mode, min(policy_nextn, num_modules) if mode == "vanilla" else policy_nextn, policy="cost"))
     if adaptive_nextn < 0:
         raise ValueError("--adaptive_nextn must be >= 0")
     sched = tuple(sorted(adaptive_schedule.items())) if adaptive_schedule else None
@@ -91,7 +103,8 @@ def sweep_settings(num_modules: int, max_nextn: int = 5, modes: tuple[str, ...] 
 def setting_config(base: LLMConfig, s: Setting) -> LLMConfig:
     spec = None if s.K == 0 else SpeculativeConfig(
         num_nextn_predict_layers=s.K, mtp_mode=s.mode, use_relaxed_acceptance_for_thinking=s.relaxed,
-        relaxed_topk=s.relaxed_topk, relaxed_delta=s.relaxed_delta, draft_confidence_threshold=s.confidence,
+        relaxed_topk=s.relaxed_topk, relaxed_delta=s.relaxed_delta, draft_len_policy=s.policy,
+        draft_confidence_threshold=s.confidence,
         draft_len_schedule=dict(s.schedule) if s.schedule else None, acceptance_window=s.window,
         acceptance_length_threshold=s.window_threshold)
     cfg = replace(base, speculative_config=spec)
@@ -156,7 +169,9 @@ def summary_row(s: Setting, records: list[RequestRecord]) -> dict:
     dec = summarize_decoding(records, s.K, s.label)
     return {
         "label": s.label, "mode": s.mode, "K": s.K, "relaxed": s.relaxed, "adaptive": s.adaptive,
+        "policy": s.policy if s.K else None,
         "mean_drafts_per_step": dec["mean_drafts_per_step"], "drafts_per_step_histogram": dec["drafts_per_step_histogram"],
+        "chosen_drafts_histogram": dec["draft_limit_histogram"],
         "waste_verified_per_accepted": dec["waste_verified_per_accepted"],
         "acceptance_length": dec["acceptance_length"], "draft_acceptance_rate": dec["draft_acceptance_rate"],
         "acceptance_per_position": dec["acceptance_per_position"],
@@ -187,8 +202,8 @@ def add_speedups(rows: list[dict]) -> list[dict]:
 
 
 def best_lossless(rows: list[dict]) -> dict:
-    """The fastest strict-acceptance MTP row (nextn=0 when there is none)."""
-    mtp = [r for r in rows if r["K"] > 0 and not r["relaxed"] and not r.get("adaptive")]
+    """The fastest strict-acceptance fixed-K MTP row (nextn=0 when there is none)."""
+    mtp = [r for r in rows if r["K"] > 0 and not r["relaxed"] and not r.get("adaptive") and r.get("policy") != "cost"]
     return max(mtp, key=lambda r: r["speedup"]) if mtp else rows[0]
 
 

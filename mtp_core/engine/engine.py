@@ -4,7 +4,8 @@
     out    = runner.execute(rows)        # target forward -> hidden states, logits
     result = verify(out, rows)           # emitted tokens per row (accepted drafts + bonus)
     inputs = commit(rows, result, out)   # append tokens, stop checks, statistics, new valid lengths
-    drafts = drafter.propose(inputs)     # K MTP forwards per row -> next drafts
+    counts = policy.choose(inputs)       # next step's draft count per row (0..K), from measured costs
+    drafts = drafter.propose(inputs)     # MTP forwards per row -> next drafts
     rewind(rows, drafts)                 # store drafts, drop KV of rejected drafts, free finished
 
 Overlap scheduler (default on a GPU; --disable_overlap_scheduler turns it off; on a CPU, where host work
@@ -37,8 +38,9 @@ from mtp_core.kv_cache.mla_cache import allocate_caches, plan_num_blocks
 from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.sampling import SamplingParams
-from mtp_core.speculative.adaptive import MAX_MTP_LAG, DraftPolicy
+from mtp_core.speculative.adaptive import MAX_MTP_LAG
 from mtp_core.speculative.drafter import DraftInput, Drafter, EagleDrafter, VanillaDrafter
+from mtp_core.speculative.policy import DraftLenPolicy
 from mtp_core.speculative.stats import SpecStats
 from mtp_core.speculative.verifier import VerifyResult, verify
 
@@ -74,7 +76,7 @@ class Engine:
         self.pool_tokens = num_blocks * kv.tokens_per_block
         self.blocks = BlockManager(num_blocks, kv.tokens_per_block, enable_reuse=kv.enable_block_reuse)
         self.blocks.copy_block = self._copy_block
-        self.policy = DraftPolicy.from_spec(spec, cfg.max_batch_size)
+        self.policy = self._make_policy()
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, self.K + 1), self.K,
                                    cfg.enable_chunked_prefill, policy=self.policy)
         self.runner = ModelRunner(model, self.caches, kv.tokens_per_block, device)
@@ -89,12 +91,38 @@ class Engine:
                         and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
         # on a CPU with the native forward: the whole Eagle decode step in one native call where the batch allows
         use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
-        self.native_step = (NativeStep(model, self.caches, self.K, kv.tokens_per_block, self.relaxed)
+        self.native_step = (NativeStep(model, self.caches, self.K, kv.tokens_per_block, self.relaxed,
+                                       fixed_counts=self.policy.policy == "fixed")
                             if use_native_step and self.graphs is None and not self.overlap and drafter is None
                             and model.native is not None
                             and (not self.K or (mode == "eagle" and not spec.draft_confidence_threshold)) else None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
         self._prepared: Optional[tuple[list[ScheduledRow], AttentionMetadata]] = None
+
+    def _make_policy(self) -> DraftLenPolicy:
+        """The draft-length policy (speculative/policy.py). Under tensor / expert parallelism every rank
+        must choose the same counts, so measured (per-rank) costs cannot decide: fixed there."""
+        spec, cfg = self.cfg.speculative_config, self.cfg
+        if spec is None:
+            return DraftLenPolicy.from_spec(None, cfg.max_batch_size)
+        policy = spec.draft_len_policy
+        if policy == "cost" and cfg.tensor_parallel_size * cfg.moe_expert_parallel_size > 1:
+            log.warning("draft_len_policy cost chooses from this process's measured step times, which ranks do "
+                        "not share; drafting %d per step (fixed)", self.K)
+            policy = "fixed"
+        if policy == "cost" and spec.use_relaxed_acceptance_for_thinking:
+            log.warning("relaxed acceptance emits accepted drafts, so thinking-phase text depends on how many are "
+                        "verified, which draft_len_policy cost chooses from measured timings: it may differ between "
+                        "runs; set draft_len_policy: fixed for reproducible relaxed output")
+        n = self.model.num_mtp_modules
+        modules = self.K if n and spec.resolved_mode(n) == "vanilla" else 1    # MTP modules one catch-up runs
+        log.info("draft length: %s", f"0..{self.K} per step, chosen from measured step costs (draft_len_policy "
+                 f"cost)" if policy == "cost" else f"{self.K} per step (draft_len_policy fixed)")
+        # on a CPU the step's cost is the engine thread's CPU time: a shared machine's other load and idle
+        # gaps between requests stay out of it; a GPU's work runs beside the thread, so wall time there
+        clock = time.thread_time if torch.device(cfg.device).type == "cpu" else time.perf_counter
+        return DraftLenPolicy.from_spec(spec, cfg.max_batch_size, modules / max(self.model.num_main_layers, 1),
+                                        policy, clock)
 
     def _make_drafter(self) -> Optional[Drafter]:
         spec = self.cfg.speculative_config
@@ -159,7 +187,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Runs one engine step; returns the sequences that made progress (finished ones included)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), self.policy.clock()
         rows, meta = self._prepared if self._prepared is not None else self._prepare()
         self._prepared = None
         if not rows:
@@ -176,22 +204,27 @@ class Engine:
                 tokens, drafts = static.run(rows)
                 result = VerifyResult(tokens)
                 inputs = self._commit(rows, result, None)
+                c1 = self.policy.clock()
+                for i in inputs:
+                    i.seq.mtp_valid = i.seq.num_cached
+                self._choose_drafts(inputs)      # the static step drafted K for every row; cut to the counts
                 drafts_of = {id(r.seq): d for r, d in zip(rows, drafts)}
-                for i in inputs:                 # the static step drafted K for every row; apply the limits
-                    i.seq.mtp_valid, limit = i.seq.num_cached, self._row_limit(i.seq)
-                    drafts_of[id(i.seq)] = drafts_of[id(i.seq)][:limit]
-                    self.stats.record_limit(limit)
-                    i.seq.stats.record_limit(limit)
-                self._store_drafts(inputs, [drafts_of[id(i.seq)] for i in inputs], rewind=True)
+                self._store_drafts(inputs, [drafts_of[id(i.seq)][:i.max_drafts] for i in inputs], rewind=True)
                 fused.num_replays += 1
-                return self._finish_step(rows, result, t0)
+                return self._finish_step(rows, result, t0, c0, c1)
             out = self.runner.execute(rows, meta)
             result = self._verify(rows, out)
             inputs = self._commit(rows, result, out)
+            c1 = self.policy.clock()
+            if self.drafter is not None:
+                self._choose_drafts(inputs)
+            # a step of one token per row (every row verified no draft): its output holds only states that
+            # rows which skip drafting keep, so they may keep views of it instead of copies
+            single = all(not r.is_prefill and len(r.token_ids) == 1 for r in rows)
             if self.overlap and any(i.needs_drafts for i in inputs):
                 future = self._executor.submit(self._prepare_ahead)   # step N+1's host work ...
                 try:
-                    drafts = self._propose(inputs)                    # ... while step N's drafts compute
+                    drafts = self._propose(inputs, single)            # ... while step N's drafts compute
                 finally:
                     self._prepared = future.result()
                 self._store_drafts(inputs, drafts, rewind=self._prepared is None)
@@ -206,7 +239,7 @@ class Engine:
                     if ragged:     # fewer drafts than the placeholders: positions and slots change
                         self._prepared = (prepared, self.runner.prepare(prepared))
             else:
-                drafts = self._propose(inputs) if self.drafter else [[] for _ in inputs]
+                drafts = self._propose(inputs, single) if self.drafter else [[] for _ in inputs]
                 self._store_drafts(inputs, drafts, rewind=True)
         except BaseException:
             # leave no half-done step behind: every sequence of this step is finished with "abort"
@@ -216,9 +249,12 @@ class Engine:
                     r.seq.finish_reason = "abort"
                     self.scheduler.finish(r.seq, cache=False)
             raise
-        return self._finish_step(rows, result, t0)
+        return self._finish_step(rows, result, t0, c0, c1)
 
-    def _finish_step(self, rows: list[ScheduledRow], result: VerifyResult, t0: float) -> list[Sequence]:
+    def _finish_step(self, rows: list[ScheduledRow], result: VerifyResult, t0: float, c0: float, c1: float
+                     ) -> list[Sequence]:
+        """t0: the step's start (perf_counter); c0, c1: its start and the end of its commit on the policy's clock."""
+        self.policy.record_step(rows, c0, c1, self.policy.clock())
         self.num_steps += 1
         if self.iter_log:
             ntok = sum(len(r.token_ids) for r in rows)
@@ -294,29 +330,33 @@ class Engine:
                                      needs_drafts=not (r.is_prefill and not r.is_final_chunk)))
         return inputs
 
-    def _row_limit(self, seq: Sequence) -> int:
-        return self.policy.row_limit(seq, self.policy.in_flight(len(self.scheduler.running),
-                                                                len(self.scheduler.waiting)))
+    def _choose_drafts(self, inputs: list[DraftInput]) -> None:
+        """Once per step: the policy's draft count for each row's next step (inp.max_drafts)."""
+        in_flight = self.policy.in_flight(len(self.scheduler.running), len(self.scheduler.waiting))
+        for inp, k in zip(inputs, self.policy.choose(inputs, in_flight)):
+            inp.max_drafts = k
+            if inp.needs_drafts and not inp.seq.spec_off:
+                self.stats.record_limit(k)
+                inp.seq.stats.record_limit(k)
 
-    def _propose(self, inputs: list[DraftInput]) -> list[list[int]]:
-        """Runs the drafter on the rows that draft this step. A decode row whose limit is 0 (schedule, paused
-        window) or whose drafting is off skips it: its hidden states wait in seq.mtp_pending, so that the
-        next drafting step brings its MTP caches up to date (see speculative/adaptive.py)."""
+    def _propose(self, inputs: list[DraftInput], views_ok: bool = False) -> list[list[int]]:
+        """Runs the drafter on the rows that draft this step. A decode row whose count is 0 (the policy, the
+        schedule, a paused window) or whose drafting is off skips it: its hidden states wait in
+        seq.mtp_pending, so that the next drafting step brings its MTP caches up to date (see
+        speculative/adaptive.py). views_ok: the step's output holds nothing else worth freeing."""
         drafts: list[list[int]] = [[] for _ in inputs]
         run: list[int] = []
         for n, inp in enumerate(inputs):
             seq = inp.seq
             if seq.spec_off:
                 continue
-            limit = self._row_limit(seq) if inp.needs_drafts else 0
-            if inp.needs_drafts:
-                self.stats.record_limit(limit)
-                seq.stats.record_limit(limit)
+            limit = inp.max_drafts if inp.needs_drafts and inp.max_drafts is not None else 0
             is_decode = inp.start + len(inp.next_tokens) > seq.prefill_target   # past its prefill
             if limit == 0 and is_decode:
                 if seq.mtp_pending is None:
                     seq.mtp_pending = []
-                seq.mtp_pending.append(inp.hidden.clone())    # (a view would keep the whole step's states)
+                # a view would otherwise keep the whole step's states (drafts, other rows) alive
+                seq.mtp_pending.append(inp.hidden if views_ok else inp.hidden.clone())
                 if inp.start + len(inp.next_tokens) - seq.mtp_valid > MAX_MTP_LAG:
                     seq.spec_off, seq.mtp_pending = True, None    # bounded memory: no more drafting
                 continue

@@ -36,7 +36,7 @@ import torch
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.moe import MoE
-from mtp_core.speculative.verifier import relaxed_candidates
+from mtp_core.speculative.verifier import relaxed_counted
 
 log = logging.getLogger("mtp.graphs")
 
@@ -62,6 +62,26 @@ def static_step_unsupported(model: DeepseekV3ForCausalLM, mode: Optional[str], K
         if hasattr(mlp, "experts") and getattr(mlp, "stacked", None) is None:
             return f"layer {i}'s MoE has no static (dense) form; its experts are too large or quantized"
     return None
+
+
+def verify_static(logits: torch.Tensor, drafts: torch.Tensor, thinking: torch.Tensor,
+                  relaxed: Optional[tuple[int, float]], offsets: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static step's verification, with no host sync; the same contract as verifier.py (strict, and
+    relaxed for thinking rows through the same `relaxed_counted`). logits [B, K+1, V], drafts [B, K],
+    thinking [B] bool -> (m accepted drafts [B], emitted [B, K+1]: d_1..d_m, the target's token at m,
+    then the target's choices past m, which are never emitted, only fed to forward 1's throwaway entries)."""
+    target = logits.argmax(-1)                                                  # [B, K+1]
+    match = drafts == target[:, :-1]                                            # [B, K]
+    if relaxed is not None:
+        counted = relaxed_counted(logits[:, :-1], *relaxed)                     # [B, K, V]
+        relaxed_match = counted.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)    # [B, K]
+        match = torch.where(thinking.unsqueeze(-1), relaxed_match, match)
+    m = match.int().cumprod(dim=-1).sum(-1)                                     # [B]
+    if offsets is None:
+        offsets = torch.arange(logits.shape[1], device=logits.device)
+    drafts_padded = torch.cat([drafts, target[:, -1:]], dim=1)                 # [B, K+1]
+    return m, torch.where(offsets[None, :] < m[:, None], drafts_padded, target)
 
 
 class StaticDecodeStep:
@@ -95,19 +115,7 @@ class StaticDecodeStep:
                                          (positions[:, -1] + 1).to(torch.int32))
 
     def _verify(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [B, K+1, V] -> (m accepted drafts [B], emitted [B, K+1]); mirrors verifier.py."""
-        target = logits.argmax(-1)                                              # [B, K+1]
-        drafts = self.input_ids[:, 1:]                                          # [B, K]
-        match = drafts == target[:, :-1]
-        if self.relaxed is not None:
-            ids, counted = relaxed_candidates(logits[:, :-1], *self.relaxed)     # [B, K, topk]
-            relaxed_match = ((ids == drafts.unsqueeze(-1)) & counted).any(-1)
-            match = torch.where(self.thinking.unsqueeze(-1), relaxed_match, match)
-        m = match.int().cumprod(dim=-1).sum(-1)                                 # [B]
-        # the accepted drafts (under strict equal to the target's choices), then the target's token at m;
-        # past m: the target's choices (never emitted, only fed to forward 1's throwaway entries)
-        drafts_padded = torch.cat([drafts, target[:, -1:]], dim=1)             # [B, K+1]
-        return m, torch.where(self.offsets[None, :] < m[:, None], drafts_padded, target)
+        return verify_static(logits, self.input_ids[:, 1:], self.thinking, self.relaxed, self.offsets)
 
     def forward(self) -> None:
         with MoE.dense_only():

@@ -25,11 +25,12 @@ from mtp_core.model import DeepseekV3ForCausalLM
 
 class NativeStep:
     def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int, tokens_per_block: int,
-                 relaxed: Optional[tuple[int, float]]) -> None:
+                 relaxed: Optional[tuple[int, float]], fixed_counts: bool) -> None:
         self.model, self.caches, self.K, self.page = model, caches, K, tokens_per_block
         self.native = model.native
         self.mtp_layer = model.num_main_layers if K else -1  # Eagle: module 0; -1: no drafting (nextn = 0)
         self.relaxed_on = relaxed is not None and relaxed[0] > 1 and relaxed[1] > 0
+        self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
         self.num_replays = 0
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
@@ -51,9 +52,12 @@ class NativeStep:
         width = max(len(r.seq.block_table) for r in rows)
         tables = torch.tensor([r.seq.block_table + [-1] * (width - len(r.seq.block_table)) for r in rows],
                               dtype=torch.int32)
-        # K next drafts for every row, as the static step: the engine cuts them to each row's limit once the
-        # step is committed (the limit depends on what the step emits: finished requests, window pauses)
-        limits = [self.K] * len(rows)
+        # each row's next drafts, which the engine cuts to its choice once the step is committed (the choice
+        # depends on what the step emits): under a fixed policy K for every row, as the static step does (so the
+        # drafts are exactly the eager drafter's); under the cost policy the count it chose for the row last
+        # (it changes counts rarely; a row it raises gets its new count one step late), so that a step whose
+        # rows draft less does not compute the chain it would throw away
+        limits = [self.K if self.fixed_counts else min(self.K, max(0, r.seq.draft_len)) for r in rows]
         ends = [r.start + len(r.token_ids) + max(n - 1, 0) for r, n in zip(rows, limits)]
         nd = self.native
         if max(ends) > nd.rope_len:

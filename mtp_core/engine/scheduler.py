@@ -1,8 +1,8 @@
 """In-flight batching: which rows run in the next step, with KV slots reserved for them.
 
 Every running sequence gets one row per step: its next prefill chunk, or a decode row of 1+k tokens
-([last token, d_1..d_k]), k <= K its drafts (fewer than K under adaptive draft length: rows of one step
-may differ, and the batch-size schedule or a paused acceptance window can cut a row's drafts here).
+([last token, d_1..d_k]), k <= K its drafts (the draft-length policy chose k when the row drafted: rows of
+one step may differ, and the batch-size schedule or a paused acceptance window can cut a row's drafts here).
 Rows are admitted up to max_batch_size sequences and max_num_tokens tokens (a decode row costs k+1).
 Before a row runs, its block table is grown to cover every slot the step may write: the target's k+1
 positions plus the MTP chain's K-1 overshoot. When the pool runs dry the most
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from mtp_core.engine.sequence import Sequence, Status
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.prefix_cache import PrefixHit, ReusePolicy, extend_digests
-from mtp_core.speculative.adaptive import DraftPolicy
+from mtp_core.speculative.policy import DraftLenPolicy
 
 log = logging.getLogger("mtp.scheduler")
 
@@ -47,10 +47,10 @@ class ScheduledRow:
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_num_tokens: int, num_draft_tokens: int,
                  enable_chunked_prefill: bool, reuse: ReusePolicy = ReusePolicy(),
-                 policy: DraftPolicy | None = None) -> None:
+                 policy: DraftLenPolicy | None = None) -> None:
         self.blocks = blocks
         self.reuse = reuse
-        self.policy = policy if policy is not None else DraftPolicy(num_draft_tokens)
+        self.policy = policy if policy is not None else DraftLenPolicy(num_draft_tokens, policy="fixed")
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.K = num_draft_tokens
@@ -206,7 +206,10 @@ class Scheduler:
         holds valid KV there between steps), less the write lag while the sequence still runs."""
         if not self.blocks.enable_reuse or seq.status != Status.RUNNING:
             return
-        valid = seq.num_cached - (0 if final else self.reuse.write_lag)
+        # with MTP caches, a position is final only once its MTP entries are written too: a request that
+        # skipped drafting (its MTP caches lag, see speculative/adaptive.py) registers up to mtp_valid
+        valid = min(seq.num_cached, seq.mtp_valid) if self.reuse.mtp else seq.num_cached
+        valid -= 0 if final else self.reuse.write_lag
         if valid < self.blocks.tokens_per_block * (seq.num_settled_blocks + 1):
             return
         ids = seq.all_ids

@@ -20,7 +20,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)      # identity: `seq in running` must not compare every field of every request
 class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
@@ -43,6 +43,12 @@ class Sequence:
     pause_steps: int = 0         # decode steps left without drafting (acceptance window)
     num_pauses: int = 0
     spec_off: bool = False       # drafting off for good (the MTP lag outgrew MAX_MTP_LAG)
+    # draft-length policy (mtp_core/speculative/policy.py)
+    draft_len: int = 0           # drafts chosen for the next step when this request last drafted
+    accept_est: Optional[list[float]] = None   # acceptance per draft position (None: the engine-wide one)
+    expected: Optional[list[float]] = None     # expected tokens emitted with 0..K drafts, from accept_est
+    accept_step: int = 0         # the policy's step count when accept_est last learnt something
+    accept_n: int = 0            # observations accept_est has learnt from
     generator: Optional[torch.Generator] = None
     first_token_time: Optional[float] = None
     arrival_time: float = 0.0

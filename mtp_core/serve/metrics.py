@@ -7,7 +7,8 @@ Names follow vLLM's (`vllm:x` is `mtp_x` here) where vLLM has the metric. Two so
   included) and queue time (arrival at the engine to its first scheduled step, measured by the engine);
 - the engine (`EngineStats`, the snapshot that comes with every output batch): requests running /
   waiting, KV blocks free / total, prompt and generation tokens, engine steps and a histogram of their
-  time, speculative decoding (drafts proposed and accepted, per draft position, AL), the prefix cache.
+  time, speculative decoding (drafts proposed and accepted, per draft position, AL, drafting steps by the
+  number of drafts the policy chose), the prefix cache.
 Values are read without a lock: each is a number one thread updates, so a scrape may mix two neighbouring
 iterations, never a torn value.
 """
@@ -134,6 +135,9 @@ def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str) -> st
            "Steps that proposed a draft at this position.", [(f',position="{i}"', n) for i, n in enumerate(proposed)])
     metric("mtp_spec_decode_acceptance_per_position", "gauge", "Accepted / proposed drafts at this position.",
            [(f',position="{i}"', a / p if p else 0.0) for i, (a, p) in enumerate(zip(accepted, proposed))])
+    metric("mtp_spec_decode_chosen_drafts_total", "counter", "Drafting steps of a request by the number of drafts "
+           "chosen for its next step (the draft-length policy, within the explicit limits).",
+           [(f',drafts="{k}"', n) for k, n in enumerate(stats.draft_limit_per_step)])
     steps, out = stats.num_steps, stats.num_output_tokens
     metric("mtp_spec_decode_decoding_steps_total", "counter", "Decoding steps over all requests (a request's "
            "first-token step included).", [("", steps)])

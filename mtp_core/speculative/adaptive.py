@@ -1,7 +1,9 @@
-"""Adaptive draft length: how many drafts each request proposes in each step (0..K).
+"""Adaptive draft length: the explicit rules that limit how many drafts a request proposes (0..K).
 
-Three rules, each lossless (a row verifies fewer drafts; greedy output never changes), combined by taking
-the smallest limit:
+The default draft-length policy (speculative/policy.py, `draft_len_policy: cost`) chooses each step's count
+from measured costs; these rules bound it (with `draft_len_policy: fixed`, a row drafts its limit). Three
+rules, each lossless (a row verifies fewer drafts; greedy output never changes), combined by taking the
+smallest limit:
 
 1. Batch-size schedule (`draft_len_schedule`, TensorRT-LLM's name): {batch size: max drafts}. A batch of
    n requests in flight (running + waiting, at most max_batch_size) uses the entry with the largest key

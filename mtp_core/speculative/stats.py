@@ -14,7 +14,7 @@ class SpecStats:
     proposed_per_position: list[int] = field(default_factory=list)
     # adaptive draft length: histograms indexed by a number of drafts (0..K)
     drafts_per_step: list[int] = field(default_factory=list)    # decode steps that verified i drafts
-    draft_limit_per_step: list[int] = field(default_factory=list)   # drafting steps whose limit was i
+    draft_limit_per_step: list[int] = field(default_factory=list)   # drafting steps whose chosen count was i
     num_window_pauses: int = 0         # acceptance-window pauses
 
     def record_step(self, num_emitted: int, num_proposed: int, num_accepted: int) -> None:
@@ -35,7 +35,7 @@ class SpecStats:
         _bump(self.drafts_per_step, num_proposed)
 
     def record_limit(self, limit: int) -> None:
-        """The limit (schedule, acceptance window; K without them) a drafting step of one request had."""
+        """The draft count chosen for one request's next step (the policy's, within the explicit rules)."""
         _bump(self.draft_limit_per_step, limit)
 
     def merge(self, other: "SpecStats") -> None:
@@ -88,7 +88,7 @@ class SpecStats:
             "accepted / proposed per draft position: ["
             + ", ".join(f"{a}/{p}" for a, p in zip(self.accepted_per_position, self.proposed_per_position)) + "]",
             f"drafts per decode step (histogram, 0..K): {self.drafts_per_step}, mean "
-            f"{self.mean_drafts_per_step:.3f}; draft limit per drafting step (0..K): {self.draft_limit_per_step}",
+            f"{self.mean_drafts_per_step:.3f}; drafts chosen per drafting step (0..K): {self.draft_limit_per_step}",
             ("waste (verified drafts per accepted draft): "
              + (f"{self.waste:.3f} ({self.waste - 1:.3f} rejected per accepted)" if self.num_draft_proposed else "-"))
             + (f"; acceptance-window pauses: {self.num_window_pauses}" if self.num_window_pauses else ""),

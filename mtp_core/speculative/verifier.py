@@ -39,29 +39,44 @@ def verify_strict(logits: torch.Tensor, drafts: torch.Tensor) -> VerifyResult:
     return VerifyResult(out)
 
 
-def relaxed_candidates(logits: torch.Tensor, topk: int, delta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [..., K+1, V] -> (candidate ids [..., K+1, topk], counted [..., K+1, topk] bool).
+def relaxed_counted(logits: torch.Tensor, topk: int, delta: float) -> torch.Tensor:
+    """logits [..., V] -> bool [..., V]: the candidates relaxed acceptance counts at each position.
 
-    Softmax of the raw logits; among the top `topk`, the top-1 always counts and a lower candidate
-    counts while its probability is >= p_top1 - delta."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    top = probs.topk(min(topk, probs.shape[-1]), dim=-1)
-    counted = top.values >= (top.values[..., :1] - delta)
-    counted[..., 0] = True
-    return top.indices, counted
+    p = softmax of the raw logits (float32). The candidates are the first `topk` tokens ordered by
+    probability, ties broken by the lower token id (so the set never depends on how a top-k kernel orders
+    equal values). The top-1 (argmax of the logits, the strict target: the lowest id among equal maxima)
+    always counts; a lower candidate counts only if p > 0 and p >= p_top1 - delta. So a token whose
+    probability underflows to 0 never counts, even when delta >= p_top1 makes the threshold negative.
+    topk <= 1 or delta <= 0 is strict acceptance by definition (only the top-1 counts), ties included.
+
+    Worked example (V = 5, top-3, delta 0.95): logits [5, 4, -100, -100, -100] -> p = [.731, .269, 0, 0, 0]
+    (e^-105 underflows in float32); candidates 0, 1, 2 (2 is the lowest id of the three zeros); threshold
+    .731 - .95 < 0; counted = {0, 1}: token 2 is a candidate but has p = 0.
+    No host sync (the static CUDA-graph step calls it too)."""
+    top1 = logits.argmax(-1, keepdim=True)
+    counted = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter_(-1, top1, True)
+    if topk <= 1 or delta <= 0:
+        return counted
+    p = torch.softmax(logits.float(), dim=-1)
+    k = min(topk, p.shape[-1])
+    kth = p.topk(k, dim=-1).values[..., -1:]                       # the k-th largest probability
+    above, tied = p > kth, p == kth
+    room = k - above.sum(-1, keepdim=True)                        # candidate slots left for the tied ones
+    in_topk = above | (tied & (tied.cumsum(-1) <= room))          # ... which go to the lowest ids
+    p_top1 = p.gather(-1, top1)
+    return counted | (in_topk & (p > 0) & (p >= p_top1 - delta))
 
 
 def verify_relaxed_row(logits: torch.Tensor, drafts: torch.Tensor, topk: int, delta: float) -> list[int]:
-    """One row: logits [K+1, V], drafts [K]. Accepts a draft that equals any counted candidate; stops
-    at the first miss; emits the accepted drafts themselves and then the top-1 of the next position."""
-    ids, counted = relaxed_candidates(logits, topk, delta)
-    out: list[int] = []
-    for i, d in enumerate(drafts.tolist()):
-        if not bool(((ids[i] == d) & counted[i]).any()):
-            break
-        out.append(d)
-    out.append(int(logits[len(out)].argmax()))
-    return out
+    """One row: logits [K+1, V], drafts [K]. Accepts a draft that is a counted candidate
+    (`relaxed_counted`) of its position; stops at the first miss; emits the accepted drafts themselves and
+    then the top-1 of the next position."""
+    K = drafts.shape[0]
+    ok = relaxed_counted(logits[:K], topk, delta).gather(-1, drafts.view(K, 1)).view(K).tolist()   # [K]
+    m = 0
+    while m < K and ok[m]:
+        m += 1
+    return drafts[:m].tolist() + [int(logits[m].argmax())]
 
 
 def verify_sampled_row(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,

@@ -1,0 +1,541 @@
+"""The draft-length policy (mtp_core/speculative/policy.py).
+
+Three layers:
+- the cost table and the decision on hand-computed numbers (per-row step costs, expected tokens);
+- the whole learning loop (choose -> step -> observe -> record_step) against a simulated engine whose step
+  times are a known function of (batch, drafts), with noise and slow outliers: it must settle on the best
+  count where drafting pays and on 0 where it loses, and pay little for finding out;
+- the engine driven by the policy: greedy output equals greedy without MTP (`conftest.reference`) token for
+  token while rows of one batch carry different counts, counts change mid-request, and rows that sat at 0
+  (their MTP caches lagging) draft again; sampled output keeps the target distribution; the real clock.
+"""
+from __future__ import annotations
+
+import math
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import PROMPTS, greedy, make_engine, reference, run_to_end
+from mtp_core.sampling import SamplingParams
+from mtp_core.speculative import policy as pol
+from mtp_core.speculative.adaptive import DraftPolicy
+from mtp_core.speculative.policy import DraftLenPolicy, StepCosts, _estimate, bucket
+
+torch.set_num_threads(1)
+
+
+# ---- the cost table ----------------------------------------------------------------------------
+
+def test_buckets():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)] == [1, 2, 3, 4, 8, 8, 16, 16, 32, 64]
+
+
+def cells(*values):
+    """A cost row from the samples of each count (None: unmeasured)."""
+    out = []
+    for v in values:
+        if v is None:
+            out.append(None)
+        else:
+            c = pol._Cell()
+            for x in v:
+                c.add(x)
+            out.append(c)
+    return out
+
+
+ESTIMATE_TABLE = [
+    # cells (samples per count k = 0..3)               drafter?  estimate per count            why
+    (([1, 9, 2], [3, 3, 4], [5, 50, 5], [7, 7, 7]), False, [1.5, 10 / 3, 5, 7]),  # 3 samples: trimmed means
+    (([2], None, None, None), False, [2, 2, 2, 2]),                                # one count: flat above it
+    ((None, None, None, [8, 8, 8]), False, [2, 4, 6, 8]),                          # one count: (k+1)/4 below it
+    ((None, None, None, [6, 6, 6]), True, [0, 2, 4, 6]),                           # drafter: k/3 below, 0 at k = 0
+    (([0.5], None, [4], None), True, [0.5, 2, 4, 4]),                              # drafter: k=0 apart; k/2 below 2
+    (([1, 1, 1], [2], None, [4, 9]), False, [1, 2, 3, 4]),                         # line through 1, 2, min(4, 9)=4
+    ((None, [3, 3, 3], [5, 5, 5], [7, 7, 7]), True, [0, 3, 5, 7]),                 # drafter, all measured
+    (([1, 1, 1], None, None, [40]), False, [1, 1, 1, 1]),                          # one slow sample at 3: the
+]                                                                                  # others' guess (flat) wins
+
+
+@pytest.mark.parametrize("samples,drafter,want", ESTIMATE_TABLE)
+def test_estimate_table(samples, drafter, want):
+    assert _estimate(cells(*samples), drafter) == pytest.approx(want)
+
+
+def test_cell_value_is_a_trimmed_mean_of_the_last_nine_samples():
+    c = pol._Cell()
+    for x, want in [(5.0, 5.0), (3.0, 3.0),             # fewer than 3 samples: the smallest
+                    (9.0, 4.0),                         # 3 5 9: median 5, 9 > 7.5 dropped: mean of 3, 5
+                    (4.0, 4.0),                         # 3 4 5 9: median 5 (upper middle), 9 dropped: (3+4+5)/3
+                    (4.5, 4.125)]:                      # 3 4 4.5 5 9: median 4.5, cut 6.75: (3+4+4.5+5)/4
+        c.add(x)
+        assert c.value == pytest.approx(want)
+    for x in [2.0] * 9:                                 # the ring forgets the old ones
+        c.add(x)
+    assert c.value == 2.0 and len(c.samples) == pol.RING
+
+
+def test_step_costs_are_per_row_and_a_new_bucket_borrows_the_nearest():
+    sc = StepCosts(2)
+    for _ in range(3):
+        sc.add_target(4, 0, 0.004)          # 4 rows, 4 ms: 1 ms per row
+        sc.add_target(4, 2, 0.012)
+        sc.add_draft(4, 0, 0.0)
+        sc.add_draft(4, 2, 0.008)
+    t, d = sc.per_row(3)                     # bucket 3 has nothing: bucket 4's numbers
+    assert t == pytest.approx([0.001, 0.002, 0.003]) and d == pytest.approx([0.0, 0.001, 0.002])
+    assert sc.per_row(64) == sc.per_row(4)
+    sc.add_target(16, 0, 0.008)              # bucket 16 appears: 64 now borrows it (the nearer in log2) ...
+    assert sc.per_row(64)[0] == pytest.approx([0.0005] * 3)
+    assert sc.per_row(8) == sc.per_row(4)    # ... and 8, as far from 4 as from 16, the smaller one
+    assert StepCosts(2).per_row(1) is None
+
+
+# ---- decisions on hand-computed numbers ---------------------------------------------------------
+
+def seq(accept=None, lag=0, left=100, K=3):
+    """A request as the policy sees it. lag > 0: its MTP caches lag that many positions."""
+    s = SimpleNamespace(spec_off=False, pause_steps=0, draft_len=0, accept_est=None, expected=None, mtp_valid=100,
+                        accept_step=0, accept_n=0,
+                        mtp_pending=[object()] if lag else None, params=SimpleNamespace(max_tokens=left),
+                        output_ids=[], prefill_target=10, accept_window=[], num_pauses=0)
+    if accept is not None:
+        s.accept_est = list(accept)
+        s.expected = DraftLenPolicy._expected(s.accept_est, K)
+    return s
+
+
+def row(s, lag=0):
+    return SimpleNamespace(seq=s, needs_drafts=True, start=100 + lag, next_tokens=[1])
+
+
+def policy_with(costs_per_row: dict[int, tuple[list[float], list[float]]], K=3, rules=None, **kw):
+    """A cost policy whose tables hold these per-row costs (ms) for the given batch sizes, 3 samples each."""
+    p = DraftLenPolicy(K, rules or DraftPolicy(K), "cost", **kw)
+    for B, (tgt, drf) in costs_per_row.items():
+        for k in range(K + 1):
+            for _ in range(3):
+                p.costs.add_target(B, k, B * tgt[k] * 1e-3)
+                p.costs.add_draft(B, k, B * drf[k] * 1e-3)
+    return p
+
+
+# per-row ms: target part, drafter part. Batch 1: drafting pays; batch 16: it does not (the shape measured
+# on the shipped model: at 16 rows a drafted token costs nearly what a decoded one does).
+COSTS = {1: ([0.60, 0.68, 0.76, 0.84], [0.02, 0.30, 0.55, 0.80]),
+         16: ([0.12, 0.19, 0.26, 0.33], [0.01, 0.07, 0.12, 0.18])}
+
+
+def test_decision_table():
+    """a = 0.9 at every position: E = 1, 1.9, 2.71, 3.439.
+    batch 1: per-row step 0.62, 0.98, 1.31, 1.64 ms -> tokens/ms 1.61, 1.94, 2.07, 2.10 (k=3 +30% over 0);
+    batch 16: 0.13, 0.26, 0.38, 0.51 -> 7.69, 7.31, 7.13, 6.74: 0."""
+    p = policy_with(COSTS)
+    rows1 = [row(seq([0.9] * 3))]
+    assert p.choose(rows1, 1) == [3] and rows1[0].seq.draft_len == 3
+    p = policy_with(COSTS)
+    rows16 = [row(seq([0.9] * 3)) for _ in range(16)]
+    assert p.choose(rows16, 16) == [0] * 16
+    # low acceptance at batch 1: a = 0.3 -> E = 1, 1.3, 1.39, 1.417 -> 1.61, 1.33, 1.06, 0.86 tokens/ms: 0
+    p = policy_with(COSTS)
+    assert p.choose([row(seq([0.3] * 3))], 1) == [0]
+    # a = 0.9, 0.5, 0.1 -> E = 1, 1.9, 2.35, 2.395 -> 1.61, 1.94, 1.79, 1.46: one draft
+    p = policy_with(COSTS)
+    assert p.choose([row(seq([0.9, 0.5, 0.1]))], 1) == [1]
+
+
+def test_drafting_must_beat_no_drafting_by_the_margin():
+    """Batch 1, a = 0.5 at every position: E = 1, 1.5, 1.75, 1.875 -> tokens/ms 1.613, 1.531, 1.336, 1.143.
+    With a cheaper drafter, k = 1 would be 1.5 / 0.90 = 1.667: 3% above k = 0, inside DRAFT_MARGIN (5%): 0."""
+    cheap = {1: ([0.60, 0.68, 0.76, 0.84], [0.02, 0.22, 0.55, 0.80])}
+    p = policy_with(cheap)
+    assert p.choose([row(seq([0.5] * 3))], 1) == [0]
+    cheaper = {1: ([0.60, 0.68, 0.76, 0.84], [0.02, 0.12, 0.55, 0.80])}     # 1.5 / 0.80 = 1.875: +16%
+    assert policy_with(cheaper).choose([row(seq([0.5] * 3))], 1) == [1]
+
+
+def test_explicit_rules_bound_the_choice():
+    """draft_len_schedule {1: 2}: at most 2 at batch 1 (the policy would take 3); a paused request gets 0."""
+    rules = DraftPolicy(3, {1: 2}, window=2, al_threshold=1.5)
+    p = policy_with(COSTS, rules=rules)
+    paused = seq([0.9] * 3)
+    paused.pause_steps = 2
+    assert p.choose([row(seq([0.9] * 3)), row(paused)], 1) == [2, 0]
+    # the scheduler's view: the explicit limit now, and never more than chosen
+    s = seq([0.9] * 3)
+    s.draft_len = 1
+    assert p.row_limit(s, 1) == 1 and p.row_limit(s, 5) == 1
+    fixed = DraftLenPolicy(3, DraftPolicy(3, {1: 3, 4: 1}), "fixed")
+    rows = [row(seq()) for _ in range(4)]
+    assert fixed.choose(rows, 4) == [1] * 4 and fixed.choose(rows[:1], 1) == [3]
+
+
+def test_lagging_rows_resume_only_when_their_catch_up_pays():
+    """Batch 2 with batch-1 costs (bucket 2 borrows bucket 1: per-row u = 0.62, 0.98, 1.31, 1.64 ms), a = 0.9.
+    One fresh row, one row whose MTP caches lag L positions; catch-up 20 us per position, amortised over
+    min(128, tokens left / E(3)) steps. L = 10, 100 tokens left: 0.2 ms over 29 steps = 0.007 ms per step:
+    both draft 3 (and the lagging row catches up 10 positions). L = 1000, 10 tokens left: 20 ms over 2.9
+    steps = 6.9 ms per step: with it k = 3 gives 6.9 tokens / (3.28 + 6.9) ms; without it (it stays at 0)
+    4.44 / 2.26: the fresh row drafts, the lagging one stays at 0."""
+    def decide(lag, left):
+        p = policy_with({1: COSTS[1]})
+        p.costs.add_catchup(20e-6)
+        rows = [row(seq([0.9] * 3)), row(seq([0.9] * 3, lag=lag, left=left), lag)]
+        return p.choose(rows, 2), p._pending
+    limits, pending = decide(10, 100)
+    assert limits == [3, 3] and pending[2] == 10
+    limits, pending = decide(1000, 10)
+    assert limits == [3, 0] and pending[2] == 0
+
+
+def test_observe_updates_acceptance_per_position():
+    """Per request: the n-th observation weighs max(0.1, 1/(n+4)) (the prior, the engine-wide estimate,
+    counts as 4 observations); engine-wide max(0.05, 1/(n+8)), from 0.8. A step with 3 drafts and 1
+    accepted observes position 1 accepted, position 2 rejected, position 3 not at all (it moves 10% of the
+    way to the engine-wide estimate)."""
+    assert (pol.ACCEPT_WEIGHT, pol.GLOBAL_WEIGHT, pol.RELAX, pol.PRIOR_ACCEPT, pol.PRIOR_WEIGHT) == (0.1, 0.05, 0.1, 0.8, 4)
+    p = DraftLenPolicy(3, DraftPolicy(3), "cost")
+    s = seq()
+    p.observe(s, 3, 1)                   # weight 1/5: .8 -> .84 (accepted), .8 -> .64 (rejected), .8 stays
+    assert s.accept_est == pytest.approx([0.84, 0.64, 0.8])
+    assert p.accept == pytest.approx([0.8 + 0.2 / 9, 0.8 - 0.8 / 9, 0.8])          # weight 1/9
+    p.accept[2] = 0.3
+    p.observe(s, 1, 1)                   # 1/6: .84 -> .8667; 2: .64 + .1 (.7111 - .64); 3: .8 + .1 (.3 - .8)
+    assert s.accept_est == pytest.approx([0.84 + 0.16 / 6, 0.64 + 0.1 * (0.8 - 0.8 / 9 - 0.64), 0.75])
+    for _ in range(20):                  # from the 6th observation on, the fixed weight 0.1
+        p.observe(s, 1, 0)
+    before = s.accept_est[0]
+    p.observe(s, 1, 1)
+    assert s.accept_est[0] == pytest.approx(before + 0.1 * (1 - before))
+    a = s.accept_est
+    assert s.expected == pytest.approx([1, 1 + a[0], 1 + a[0] + a[0] * a[1], 1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2]])
+    p.observe(s, 0, 0)                                   # nothing verified: nothing learnt
+    assert s.accept_est == pytest.approx(a)
+    fixed = DraftLenPolicy(3, DraftPolicy(3), "fixed")
+    s2 = seq()
+    fixed.observe(s2, 3, 3)
+    assert s2.accept_est is None                          # the fixed policy keeps no estimates
+
+
+def test_record_step_measures_only_uniform_settled_decode_steps():
+    p = DraftLenPolicy(2, DraftPolicy(2), "cost")
+    p._warmup = 0
+    rows = lambda k, n=2, prefill=False: [SimpleNamespace(is_prefill=prefill, token_ids=[0] * (k + 1)) for _ in range(n)]  # noqa: E731
+    t = 0.0
+    for k in (1, 1, 1, 1):                               # a run of 4 steps verifying 1 draft: the last 2 count
+        p.record_step(rows(k), t + 0.001, t + 0.004, t + 0.005)   # 1 ms gap, 3 ms to the commit, 1 ms drafting
+        t += 0.005
+    # the target part runs from the previous step's end to this commit (gap included): 4 ms / 2 rows
+    assert len(p.costs.target[2][1].samples) == pol.SETTLE and p.costs.target[2][1].value == pytest.approx(0.002)
+    mixed = [SimpleNamespace(is_prefill=False, token_ids=[0]), SimpleNamespace(is_prefill=False, token_ids=[0, 0])]
+    p.record_step(mixed, t, t + 1, t + 2)                # rows verified different counts: not measured
+    p.record_step(rows(1, prefill=True), t, t + 1, t + 2)
+    assert len(p.costs.target[2][1].samples) == pol.SETTLE
+
+
+# ---- the learning loop against a simulated engine ----------------------------------------------
+
+class SimEngine:
+    """The order of the engine's step with known costs: rows verify the drafts chosen in the previous
+    step; the target part costs the sum of target(1, k_row) ms over the rows, the drafter part the sum of
+    draft(1, k_row) ms plus the catch-up, each with +-10% noise, and one time in 25 4x as long. Acceptance per draft ~ Bernoulli(accept(step)). A request
+    that has emitted `tokens` is replaced by a new one (a closed loop, as `mtp bench --concurrency B`)."""
+
+    def __init__(self, policy, B, target, draft, accept, catchup_ms=0.02, seed=0, tokens=400):
+        self.p, self.B, self.target, self.draft, self.accept = policy, B, target, draft, accept
+        self.catchup_ms, self.max_tokens = catchup_ms, tokens
+        self.rng, self.noise, self.draws = random.Random(seed), random.Random(seed + 1000), 0
+        self.seqs = [self.new_request() for _ in range(B)]
+        self.clock = 0.0
+        self.tokens = 0
+        self.chosen: list[int] = []
+
+    def new_request(self):
+        s = seq(left=self.max_tokens)
+        s.accept_est = s.expected = None
+        s.num_cached = s.mtp_valid = 101
+        s.draft_len = 0
+        return s
+
+    def noisy(self, ms):
+        self.draws += 1
+        x = ms * (1 + 0.1 * (2 * self.noise.random() - 1))
+        return 1e-3 * (4 * x if self.draws % 25 == 12 else x)
+
+    def step(self, i):
+        verify = [s.draft_len for s in self.seqs]
+        c0 = self.clock
+        self.clock += self.noisy(sum(self.target(1, k) for k in verify))
+        inputs = []
+        for s, k in zip(self.seqs, verify):
+            acc = 0
+            while acc < k and self.rng.random() < self.accept(i):
+                acc += 1
+            self.tokens += acc + 1
+            self.p.observe(s, k, acc)
+            inputs.append(SimpleNamespace(seq=s, needs_drafts=True, start=s.num_cached, next_tokens=[0] * (acc + 1)))
+            s.num_cached += acc + 1
+            s.output_ids = s.output_ids + [0] * (acc + 1)
+            s.mtp_pending = [0] if s.mtp_valid < inputs[-1].start else None
+        for n, s in enumerate(self.seqs):               # finished: a new request takes the row
+            if len(s.output_ids) >= self.max_tokens:
+                self.seqs[n] = self.new_request()
+                inputs[n] = SimpleNamespace(seq=self.seqs[n], needs_drafts=True, start=100, next_tokens=[0])
+        c1 = self.clock
+        limits = self.p.choose(inputs, self.B)
+        lag = sum(inp.start - s.mtp_valid for inp, s, n in zip(inputs, self.seqs, limits) if n and s.mtp_pending)
+        k = max(limits)
+        self.clock += self.noisy(sum(self.draft(1, n) for n in limits)) + 1e-3 * self.catchup_ms * lag
+        for s, n in zip(self.seqs, limits):
+            if n:
+                s.mtp_valid = s.num_cached
+        self.p.record_step([SimpleNamespace(is_prefill=False, token_ids=[0] * (v + 1)) for v in verify],
+                           c0, c1, self.clock)
+        self.chosen.append(k)
+
+    def run(self, steps):
+        for i in range(steps):
+            self.step(i)
+        return self
+
+
+def per_row(table):
+    return lambda B, k: B * table[k]
+
+
+def fixed_rate(B, k, target, draft, a):
+    e = sum(a ** i for i in range(k + 1))
+    return B * e / (target(B, k) + draft(B, k))
+
+
+def fixed_sim(B, k, target, draft, accept, seed, steps):
+    """The same simulated engine and noise with every row at k drafts (the fixed policy)."""
+    sim = SimEngine(DraftLenPolicy(3, DraftPolicy(3, {1: k}), "fixed"), B, target, draft, accept, seed=seed)
+    for s in sim.seqs:
+        s.draft_len = k
+    return sim.run(steps)
+
+
+@pytest.mark.parametrize("B,a,good,seed", [(1, 0.9, (1, 2, 3), 1), (1, 0.9, (1, 2, 3), 2), (16, 0.9, (0,), 1),
+                                            (16, 0.9, (0,), 2), (1, 0.3, (0,), 1)])
+def test_the_loop_settles_on_the_best_count(B, a, good, seed):
+    """COSTS (test_decision_table), acceptance a: batch 1 at 0.9 -> 3 (2 within 2%, 1 within 8%: its noisy
+    acceptance estimate moves the choice among them), batch 16 -> 0, batch 1 at 0.3 -> 0. After the first 40
+    steps the policy picks a good count in >= 75% of steps, and its tokens per second over the whole run
+    (cold start and re-tries included) are >= 93% of the best fixed count's under the same noise."""
+    tgt, drf = per_row(COSTS[B][0]), per_row(COSTS[B][1])
+    p = DraftLenPolicy(3, DraftPolicy(3), "cost")
+    sim = SimEngine(p, B, tgt, drf, lambda i: a, seed=seed).run(300)
+    late = sim.chosen[40:]
+    assert sum(late.count(k) for k in good) >= 0.75 * len(late), sim.chosen
+    fixed = [fixed_sim(B, k, tgt, drf, lambda i: a, seed, 300) for k in range(4)]
+    assert max(range(4), key=lambda k: fixed[k].tokens / fixed[k].clock) in good      # the premise
+    top = max(f.tokens / f.clock for f in fixed)
+    assert sim.tokens / sim.clock >= 0.93 * top, (sim.tokens / sim.clock, top)
+
+
+def test_the_loop_follows_a_change_of_acceptance():
+    """Batch 1: acceptance 0.9 (best 3; 2 within 2%, 1 within 8%), then 0.1 for 50 steps (best 0), then 0.9
+    again: each phase ends up at its best counts, the last one after a return from 0 (with a catch-up)."""
+    tgt, drf = per_row(COSTS[1][0]), per_row(COSTS[1][1])
+    phases = lambda i: 0.1 if 150 <= i < 200 else 0.9   # noqa: E731
+    p = DraftLenPolicy(3, DraftPolicy(3), "cost")
+    sim = SimEngine(p, 1, tgt, drf, phases, seed=3, tokens=2000).run(450)
+    c = sim.chosen
+    assert sum(1 for k in c[100:150] if k >= 2) >= 40, c[100:150]
+    assert c[170:200].count(0) >= 22, c[170:200]
+    assert sum(1 for k in c[350:450] if k >= 1) >= 80 and sum(1 for k in c[350:450] if k >= 2) >= 60, c[200:]
+
+
+def test_the_fixed_policy_never_measures():
+    p = DraftLenPolicy(3, DraftPolicy(3), "fixed")
+    sim = SimEngine(p, 2, per_row(COSTS[1][0]), per_row(COSTS[1][1]), lambda i: 0.9).run(20)
+    assert set(sim.chosen) == {3} and not p.costs.target
+    assert p.summary()["step_costs"] is None
+
+
+# ---- the engine driven by the policy --------------------------------------------------------------
+
+def scripted(eng, script):
+    """Replace the policy's estimates with a script of (count, resume) decisions, one per step: the engine,
+    the scheduler and the policy's bookkeeping (limits per row, lag, catch-up, statistics) run as usual."""
+    it = iter(script * 1000)
+    eng.policy._decide = lambda *a: (*next(it), False)
+    return eng
+
+
+def record_rows(eng) -> list[list[tuple[int, int]]]:
+    """Per step: (request id, drafts verified) of every decode row."""
+    log: list[list[tuple[int, int]]] = []
+    execute = eng.runner.execute
+
+    def recording(rows, meta=None):
+        log.append([(r.seq.request_id, len(r.token_ids) - 1) for r in rows if not r.is_prefill])
+        return execute(rows, meta)
+    eng.runner.execute = recording
+    return log
+
+
+SCRIPT = [(3, True), (3, True), (0, True), (0, True), (2, False), (1, True), (0, True), (3, False), (2, True)]
+
+
+@pytest.mark.parametrize("ckpt,mode,K", [("tiny1", "eagle", 3), ("tiny3", "vanilla", 3), ("tiny3", "eagle", 5)])
+def test_policy_decisions_are_lossless_batched(models, ckpt, mode, K):
+    """8 requests of 12..20 tokens, 4 in flight (new ones join as others finish). The script makes rows sit
+    at 0 (their MTP caches lag), resume with a catch-up, or stay at 0 while rows that joined since draft
+    (resume False): rows of one step verify different counts, counts change mid-request, and requests
+    draft again after k = 0 steps."""
+    model = models[ckpt]
+    params = [greedy(20 - 2 * (i % 5)) for i in range(len(PROMPTS))]
+    eng = scripted(make_engine(model, nextn=K, mode=mode, max_batch_size=4, spec=dict(draft_len_policy="cost"),
+                               disable_overlap_scheduler=mode == "vanilla"),
+                   [(min(k, K), r) for k, r in SCRIPT])
+    steps = record_rows(eng)
+    lagged = set()
+    resumed = set()
+    seqs = []
+    for p, sp in zip(PROMPTS, params):
+        seqs.append(eng.add_request(p, sp))
+    while eng.has_unfinished():
+        eng.step()
+        for s in seqs:
+            if s.mtp_valid < s.num_cached:
+                lagged.add(s.request_id)
+            elif s.request_id in lagged and s.drafts:
+                resumed.add(s.request_id)
+    for p, s, sp in zip(PROMPTS, seqs, params):
+        assert s.output_ids == reference(model, p, sp.max_tokens), f"prompt of length {len(p)}"
+    assert any(len({n for _, n in step}) > 1 for step in steps), "no step with rows of different counts"
+    per_request = {}
+    for step in steps:
+        for rid, n in step:
+            per_request.setdefault(rid, set()).add(n)
+    assert any(len(v) >= 3 for v in per_request.values()), "no request whose count changed mid-request"
+    assert resumed, "no request drafted again after steps at 0"
+    st = eng.stats
+    assert sum(st.draft_limit_per_step) > 0 and st.draft_limit_per_step[0] > 0 and st.draft_limit_per_step[-1] > 0
+    assert 0 < st.num_draft_accepted < st.num_draft_proposed
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+@pytest.mark.parametrize("ckpt,mode", [("tiny1", "eagle"), ("tiny3", "vanilla")])
+def test_caches_equal_a_recompute_after_k0_steps_and_a_catch_up(models, ckpt, mode):
+    """Two requests sit at 0 for 4 steps, then draft: after the catch-up every cache (main and MTP) of
+    both equals a dense recompute of the accepted prefix."""
+    from test_mtp_decoding import _check_caches
+
+    model, K = models[ckpt], 3
+    eng = scripted(make_engine(model, nextn=K, mode=mode, tokens_per_block=4, spec=dict(draft_len_policy="cost")),
+                   [(2, True), (0, True), (0, True), (0, True), (0, True), (3, True), (3, True)])
+    seqs = [eng.add_request(p, greedy(40)) for p in (PROMPTS[2], PROMPTS[4])]
+    lagged = False
+    for _ in range(7):
+        eng.step()
+        lagged |= any(s.mtp_valid < s.num_cached for s in seqs)
+    assert lagged and all(s.mtp_valid == s.num_cached for s in seqs)
+    _check_caches(model, eng, seqs, mode, K)
+    for p, s in zip((PROMPTS[2], PROMPTS[4]), seqs):
+        assert s.output_ids == reference(model, p, 40)[: len(s.output_ids)]
+
+
+def test_a_lagging_request_registers_no_block_whose_mtp_entries_are_missing(models):
+    """Prefix cache: request A sits at 0 for most of its life (MTP caches lagging) and finishes; request B's
+    prompt is A's whole sequence. B may reuse only blocks whose MTP entries A wrote: after B's prefill every
+    one of B's caches equals a dense recompute (before the fix, B mapped blocks with stale MTP entries)."""
+    from test_mtp_decoding import _check_caches
+
+    model, K = models["tiny1"], 2
+    eng = scripted(make_engine(model, nextn=K, mode="eagle", tokens_per_block=4, spec=dict(draft_len_policy="cost")),
+                   [(2, True)] + [(0, True)] * 40)
+    a = run_to_end(eng, [PROMPTS[5]], greedy(24))[0]
+    assert a.output_ids == reference(model, PROMPTS[5], 24)
+    b = eng.add_request(a.all_ids, greedy(3))
+    eng.step()                                               # B's prefill (from the reused blocks on)
+    assert eng.blocks.stats.reused_tokens > 0                # the prompt's blocks were reused ...
+    assert eng.blocks.stats.reused_tokens <= len(PROMPTS[5]) + 2 + 4   # ... not the lagging output's
+    _check_caches(model, eng, [b], "eagle", K)
+
+
+@pytest.mark.parametrize("ckpt,mode,K,batch", [("tiny1", "eagle", 3, 1), ("tiny1", "eagle", 3, 8),
+                                               ("tiny3", "vanilla", 3, 8)])
+def test_the_measuring_policy_is_lossless(models, ckpt, mode, K, batch):
+    """The cost policy as shipped (this machine's clock): whatever it chooses, greedy output is exact, and
+    every drafting step's choice is in the histogram."""
+    model = models[ckpt]
+    params = [greedy(24 - 2 * (i % 4)) for i in range(len(PROMPTS))]
+    eng = make_engine(model, nextn=K, mode=mode, max_batch_size=batch, spec=dict(draft_len_policy="cost"))
+    seqs = run_to_end(eng, PROMPTS, params)
+    for p, s, sp in zip(PROMPTS, seqs, params):
+        assert s.output_ids == reference(model, p, sp.max_tokens)
+    st = eng.stats
+    assert sum(st.draft_limit_per_step) >= sum(st.drafts_per_step) > 0
+    assert sum(s.stats.draft_limit_per_step[0] if s.stats.draft_limit_per_step else 0 for s in seqs) \
+        == st.draft_limit_per_step[0]
+    assert eng.policy.summary()["step_costs"], "nothing was measured"
+    assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
+
+
+def _chi2_crit(df: int, z: float = 3.09) -> float:
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampled_outputs_follow_the_target_distribution_under_the_policy(models):
+    """600 seeded requests (temperature 1, top-k 3, 3 tokens), 60 in flight, the count scripted per step
+    (3, 0, 1, 2, 0, ...): the joint law of the 3 tokens equals the law without MTP (two-sample chi-square,
+    p = 0.001). The count is fixed before the step that samples, so verification is exact rejection sampling."""
+    model, n = models["tiny1"], 600
+    prompt = PROMPTS[2]
+
+    def run(nextn: int, seed0: int) -> dict:
+        eng = make_engine(model, nextn=nextn, mode="eagle", max_batch_size=60, max_tokens_kv=60 * 24,
+                          spec=dict(draft_len_policy="cost") if nextn else None)
+        if nextn:
+            scripted(eng, [(3, True), (0, True), (1, True), (2, True), (0, False)])
+        ps = [SamplingParams(max_tokens=3, temperature=1.0, top_k=3, seed=seed0 + i, ignore_eos=True) for i in range(n)]
+        counts: dict[tuple, int] = {}
+        for s in run_to_end(eng, [prompt] * n, ps):
+            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+        if nextn:
+            assert eng.stats.num_draft_accepted > 0 and len([c for c in eng.stats.drafts_per_step if c]) >= 3
+        return counts
+
+    base, mtp = run(0, 0), run(3, 100_000)
+    cells_ = sorted(set(base) | set(mtp))
+    small = [c for c in cells_ if base.get(c, 0) + mtp.get(c, 0) < 10]
+    pairs = [(base.get(c, 0), mtp.get(c, 0)) for c in cells_ if c not in small]
+    if small:
+        pairs.append((sum(base.get(c, 0) for c in small), sum(mtp.get(c, 0) for c in small)))
+    stat = sum((x - y) ** 2 / (x + y) for x, y in pairs if x + y)
+    assert len(pairs) >= 5
+    assert stat < _chi2_crit(len(pairs) - 1), (stat, pairs)
+
+
+def test_policy_settings(tiny1_dir):
+    """The default is cost; fixed turns it off; a bad value is a one-line error naming the choices."""
+    from typer.testing import CliRunner
+
+    from cli.app import app
+    from mtp_core.config import SpeculativeConfig
+    from mtp_core.yaml_config import ConfigError, apply_yaml_options
+    from conftest import llm_config
+
+    assert SpeculativeConfig().draft_len_policy == "cost"
+    with pytest.raises(ValueError, match="draft_len_policy must be one of cost, fixed"):
+        SpeculativeConfig(num_nextn_predict_layers=2, draft_len_policy="auto").validate()
+    cfg = llm_config(nextn=2)
+    got = apply_yaml_options(cfg, {"speculative_config": {"draft_len_policy": "FIXED"}}, {}, lambda s: None)
+    assert got.speculative_config.draft_len_policy == "fixed"
+    with pytest.raises(ConfigError, match="speculative_config.draft_len_policy: must be one of cost, fixed"):
+        apply_yaml_options(cfg, {"speculative_config": {"draft_len_policy": "off"}}, {}, lambda s: None)
+    with pytest.raises(ConfigError, match="did you mean draft_len_policy"):
+        apply_yaml_options(cfg, {"speculative_config": {"draft_len_polcy": "cost"}}, {}, lambda s: None)
+    base = ["quickstart", "--model_dir", str(tiny1_dir), "--prompt", "hi", "--max_tokens", "6", "--num_threads", "1",
+            "--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "2"]
+    r = CliRunner().invoke(app, base + ["--spec_decode_draft_len_policy", "sometimes"])
+    assert r.exit_code == 2 and r.stderr.strip().count("\n") == 0 and "cost" in r.stderr and "fixed" in r.stderr
+    r = CliRunner().invoke(app, base + ["--spec_decode_draft_len_policy", "fixed"])
+    assert r.exit_code == 0, r.stderr
+    assert "drafts chosen per drafting step" in r.stderr and "draft_len_policy fixed" not in r.stdout
