@@ -33,6 +33,9 @@ from mtp_core.sampling import SamplingParams
 from test_serve import _metrics, _start_cli, _wait_idle
 from test_serve_process import _children
 
+# K drafts every step: what these tests time is what prompts do to the other streams, not the step-to-step
+# variation of the cost policy's draft counts (its re-tries of other counts at a large batch are dearer steps)
+FIXED = ("--spec_decode_draft_len_policy", "fixed")
 STREAMS = 128
 ROUNDS = 3
 MAX_TOKENS = 48
@@ -168,7 +171,7 @@ def test_128_streams_with_disconnects_and_1mb_prompts(tmp_path) -> None:
     want = [o.text for o in offline.generate([encode_request(offline.tokenizer, r) for r in reqs],
                                              SamplingParams(max_tokens=MAX_TOKENS))]
     del offline
-    proc, url, err = _start_cli(["--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "3",
+    proc, url, err = _start_cli(["--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "3", *FIXED,
                                  "--max_batch_size", str(STREAMS), "--max_seq_len", "1024"], tmp_path)
     model = "tiny-r1"
     rng = random.Random(30)
@@ -201,7 +204,7 @@ def test_a_big_prompt_that_must_be_tokenized_does_not_stall_the_streams(tmp_path
     worker thread, the GIL released): the streams running meanwhile keep their pace."""
     yml = tmp_path / "big.yml"
     yml.write_text("kv_cache_config:\n  max_tokens: 16384\n")
-    proc, url, err = _start_cli(["--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "3", "--max_batch_size",
+    proc, url, err = _start_cli(["--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "3", *FIXED, "--max_batch_size",
                                  "8", "--max_seq_len", "65536", "--config", str(yml)], tmp_path)
     reqs = task_requests("all", 8, 200)
     size = 2 * BIG_BYTES                     # ~0.3-1 s of tokenizing here: a stall that long could not hide
@@ -270,7 +273,7 @@ def test_chunked_prefill_keeps_streams_flowing_and_exact(tmp_path) -> None:
     del offline
     stall = {}
     for mode in ("--disable_chunked_prefill", "--enable_chunked_prefill"):
-        proc, url, err = _start_cli(["--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "3",
+        proc, url, err = _start_cli(["--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "3", *FIXED,
                                      "--max_batch_size", "16", "--max_seq_len", "1024", mode], tmp_path)
         try:
             async def one(client: httpx.AsyncClient, p: str) -> tuple[str, list[float]]:
