@@ -144,7 +144,7 @@ def quickstart_command(
     kv_cache_fraction: float = typer.Option(0.9, "--kv_cache_fraction",
                                             help="Share of free memory for the KV cache, in (0, 1]."),
     kv_cache_dtype: KvCacheDtype = typer.Option(KvCacheDtype.auto, "--kv_cache_dtype", case_sensitive=False,
-                                                help="auto = the model dtype; fp8 needs an NVIDIA GPU."),
+                                                help="auto = the model dtype; fp8 = e4m3 latents (half of bf16), on every device."),
     disable_kv_cache_reuse: bool = typer.Option(False, "--disable_kv_cache_reuse",
                                                 help="Turn prefix caching (KV block reuse across requests) off."),
     use_cuda_graph: bool = typer.Option(False, "--use_cuda_graph", help="CUDA graphs for decode steps (GPU; "

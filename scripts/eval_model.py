@@ -28,10 +28,11 @@ ap.add_argument("--per_task", type=int, default=50)
 ap.add_argument("--max_tokens", type=int, default=512)
 ap.add_argument("--threads", type=int, default=2)
 ap.add_argument("--json")
-ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+ap.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                 help="weights in memory (the native CPU step computes in fp32 either way)")
 ap.add_argument("--mode", choices=("eagle", "vanilla"), default=None, help="default: eagle, or vanilla with --relaxed")
 ap.add_argument("--k", type=int, default=3)
+ap.add_argument("--kv_cache_dtype", choices=("auto", "fp8"), default="auto")
 ap.add_argument("--relaxed", action="store_true")
 ap.add_argument("--relaxed_topk", type=int, default=10)
 ap.add_argument("--relaxed_delta", type=float, default=0.6)
@@ -41,7 +42,7 @@ records = [r for f in FAMILIES for r in eval_records(f, args.per_task)]
 records += [r for name, family, digits in TARGET_SETS for r in eval_records(family, args.per_task, 1234, digits, name)]
 # a KV pool for the 16 sequences in flight only (the default takes 90% of free memory)
 llm = LLM(LLMConfig(model_dir=args.model_dir, dtype=args.dtype, max_batch_size=16,
-                    kv_cache_config=KvCacheConfig(max_tokens=16 * 1024),
+                    kv_cache_config=KvCacheConfig(max_tokens=16 * 1024, dtype=args.kv_cache_dtype),
                     speculative_config=SpeculativeConfig(
                         num_nextn_predict_layers=args.k,
                         mtp_mode=args.mode or ("vanilla" if args.relaxed else "eagle"),

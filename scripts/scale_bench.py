@@ -110,18 +110,20 @@ def measure_one(ckpt: str, threads: int, tokens: int, prefill: int, eagle: bool,
         llm.generate([long[::-1]], SamplingParams(max_tokens=1, ignore_eos=True))
         info["prefill_tok_s"] = round(prefill / (time.perf_counter() - t0), 1)
     info["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    if eagle:
-        steps = {}
+    if eagle:   # the same weights under an MTP Eagle engine (K = 1, 3): the step time against nextn=0's
+        from mtp_core.engine.engine import Engine
+        eos = list(llm.tokenizer.eos_token_ids)
         for K in (1, 3):
             spec = SpeculativeConfig(num_nextn_predict_layers=K, mtp_mode="eagle")
-            e = LLM(LLMConfig(model_dir=ckpt, dtype=dtype, max_batch_size=1, max_seq_len=2048, kv_cache_config=kv,
-                              num_threads=threads, speculative_config=spec))
-            e.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
-            s0, t0 = e.engine.num_steps, time.perf_counter()
-            o = e.generate([prompt], params)[0]
-            steps[f"eagle_k{K}_step_ms"] = round((o.e2e_s - o.ttft_s) * 1e3 / max(1, e.engine.num_steps - s0 - 1), 2)
-            del e
-        info.update(steps)
+            cfg = LLMConfig(model_dir=ckpt, dtype=dtype, max_batch_size=1, max_seq_len=2048, kv_cache_config=kv,
+                            num_threads=threads, speculative_config=spec)
+            llm.engine = None
+            llm.engine = Engine(model, cfg, eos, llm.tokenizer.think_token_ids())
+            llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+            s0 = llm.engine.num_steps
+            o = llm.generate([prompt], params)[0]
+            info[f"eagle_k{K}_step_ms"] = round((o.e2e_s - o.ttft_s) * 1e3 / max(1, llm.engine.num_steps - s0 - 1), 2)
+            info[f"eagle_k{K}_al"] = round(len(o.token_ids) / max(1, llm.engine.num_steps - s0), 3)
     return info
 
 

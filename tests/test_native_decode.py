@@ -520,3 +520,45 @@ def test_amx_forward_matches_reference_and_stays_batch_invariant(monkeypatch) ->
     monkeypatch.setenv("MTP_CORE_CPU_ISA", "avx512")
     assert not kernels.cpu_amx()
     assert NativeDecoder.build(model, "direct").weights.dims["amx"] == 0
+
+
+# ---- FP8 (e4m3) KV cache ----------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_kv_cache_matches_reference_and_stays_batch_invariant(layout) -> None:
+    """The latents written as e4m3 (torch's rounding, bit for bit the reference's cache) and read back by the
+    native attention; a token one at a time or among others gets bitwise the same hidden state."""
+    model = tiny_model(num_layers=3, num_mtp=1)
+    nd = NativeDecoder.build(model, layout)
+    out, ref, c_nat, c_ref = run_both(nd, model.config, 0, 3, ROWS_["ragged"], cache_dtype=torch.float8_e4m3fn)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(c_nat, c_ref))
+    D = model.config.kv_lora_rank + model.config.qk_rope_head_dim
+    prefix = torch.randn(64, PAGE, D).to(torch.float8_e4m3fn)
+    ids = torch.randint(7, 96, (5,))
+    ca, cb = [prefix.clone() for _ in range(3)], [prefix.clone() for _ in range(3)]
+    with torch.inference_mode():
+        one = torch.cat([nd.forward(ids[i:i + 1], AttentionMetadata.build([[9 + i]], [[4, 7, 1, 3]], PAGE, True), ca)
+                         for i in range(5)])
+        five = nd.forward(ids, AttentionMetadata.build([list(range(9, 14))], [[4, 7, 1, 3]], PAGE, True), cb)
+    assert torch.equal(one, five)
+
+
+def test_fp8_kv_cache_greedy_mtp_equals_plain_greedy(tiny3_dir, monkeypatch) -> None:
+    """--kv_cache_dtype fp8 on the CPU: half the bytes per token of bf16, and the backbone invariant (Eagle through
+    the native step, Vanilla through the general path), on the native path and on the torch path."""
+    from mtp_core.kv_cache.mla_cache import bytes_per_token
+    from mtp_core.loader import load_model
+    cfg = load_model(tiny3_dir, "float32")[0].config
+    assert 2 * bytes_per_token(cfg, 6, torch.float8_e4m3fn) == bytes_per_token(cfg, 6, torch.bfloat16)
+    for native in ("1", "0"):
+        monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", native)
+        model = load_model(tiny3_dir, "bfloat16" if native == "1" else "float32")[0]
+        outs = []
+        for nextn, mode in ((0, "auto"), (3, "eagle"), (3, "vanilla")):
+            eng = make_engine(model, nextn=nextn, mode=mode, max_batch_size=8, kv_dtype="fp8",
+                              overlap_scheduler_on_cpu=False)
+            assert eng.caches[0].dtype == torch.float8_e4m3fn and (model.native is not None) == (native == "1")
+            outs.append([s.output_ids for s in run_to_end(eng, PROMPTS, greedy(20))])
+            if nextn:
+                assert eng.stats.num_draft_accepted > 0
+        assert outs[0] == outs[1] == outs[2], native

@@ -30,6 +30,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <torch/library.h>
 
 #include "amx_gemm.h"
@@ -149,7 +150,7 @@ struct Forward {
     const int64_t qlat_ld = absorbed ? q_ld : nh * D;
     {
       const auto [t0, t1] = tm.split(T);
-      const bool bf16_cache = cache.scalar_type() == at::kBFloat16;
+      const auto cache_type = cache.scalar_type();
       float tmp[2 * 512 + 64], kv[1024 + 256];
       for (int64_t t = t0; t < t1; ++t) {
         const float* c = b.cos + b.positions[t] * (P / 2);
@@ -157,9 +158,12 @@ struct Forward {
         K().rms_norm(kv_src + t * kv_ld, kv_ld, 1, R, L.kv_norm.p, L.kv_norm.type, d.eps, kv, R);
         std::memcpy(kv + R, kv_src + t * kv_ld + R, sizeof(float) * P);
         rope_inplace(kv + R, P, c, s, d.interleave, tmp);
-        if (bf16_cache) {
+        if (cache_type == at::kBFloat16) {
           c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + b.slots[t] * D;
           for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<c10::BFloat16>(kv[i]);
+        } else if (cache_type == at::kFloat8_e4m3fn) {   // torch's rounding (nearest even, saturating)
+          c10::Float8_e4m3fn* dst = cache.data_ptr<c10::Float8_e4m3fn>() + b.slots[t] * D;
+          for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<c10::Float8_e4m3fn>(kv[i]);
         } else {
           std::memcpy(cache.data_ptr<float>() + b.slots[t] * D, kv, sizeof(float) * D);
         }
@@ -184,7 +188,8 @@ struct Forward {
     {   // attention: (token, group of 4 heads) items
       const int64_t groups = (nh + 3) / 4;
       const auto [i0, i1] = tm.split(T * groups);
-      const int ctype = cache.scalar_type() == at::kBFloat16 ? cpu::kBF16 : cpu::kF32;
+      const auto st = cache.scalar_type();
+      const int ctype = st == at::kBFloat16 ? cpu::kBF16 : st == at::kFloat8_e4m3fn ? cpu::kFP8 : cpu::kF32;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = i / groups, h0 = (i % groups) * 4, h1 = std::min(nh, h0 + 4);
         const int64_t r = b.row_of[t], nq = b.qstart[r + 1] - b.qstart[r];
@@ -516,9 +521,11 @@ void check_batch(const DecodeDims& d, const at::Tensor& ids, const at::Tensor& p
   const int64_t D = d.R + d.P;
   for (const at::Tensor& c : caches) {
     TORCH_CHECK(c.dim() == 3 && c.size(2) == D && c.is_contiguous() &&
-                    (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16) &&
+                    (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16 ||
+                     c.scalar_type() == at::kFloat8_e4m3fn) &&
                     c.sizes() == caches[0].sizes() && c.scalar_type() == caches[0].scalar_type(),
-                "decode_forward: caches must be contiguous [blocks, page, R+P] float32/bfloat16, all alike");
+                "decode_forward: caches must be contiguous [blocks, page, R+P] float32/bfloat16/float8_e4m3fn, "
+                "all alike");
   }
   b.page = caches.empty() ? 1 : caches[0].size(1);
   const int64_t num_blocks = caches.empty() ? 0 : caches[0].size(0);

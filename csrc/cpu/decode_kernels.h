@@ -73,7 +73,8 @@ struct KernelTable {
   void (*sigmoid)(const float* x, int64_t n, float* y);
   // Varlen causal attention over a paged latent cache for heads [h0, h1) of query token t (row b, i-th
   // query of that row): q [T, H, D] fp32 (D = R + P, already roped), cache [blocks, page, D] in ctype
-  // (kF32 / kBF16); the token sees keys 0 .. visible-1 through `table`; out [T, H, R] fp32.
+  // (kF32 / kBF16, or kFP8: e4m3 with a per-tensor scale of 1); the token sees keys 0 .. visible-1 through
+  // `table`; out [T, H, R] fp32.
   // scores = q.k * scale; out = softmax(scores) @ c_kv (the latent part of the key). scratch: H * (visible + 1).
   void (*attention)(const float* q_t, int64_t H, int64_t h0, int64_t h1, int64_t R, int64_t P, const void* cache,
                     int ctype, int64_t page, const int32_t* table, int64_t visible, float scale, float* out_t,

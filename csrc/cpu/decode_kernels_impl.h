@@ -254,6 +254,10 @@ inline VF vload_nvfp4_16(const uint8_t* p) {
 }
 #endif
 
+// e4m3 cache entries (an FP8 KV cache) read as value / 256, exactly; the attention folds the 256 back in.
+inline VF vload(const uint8_t* p) { return vload_fp8(p); }
+inline VF vload_n(const uint8_t* p, int64_t n) { return vload_fp8_n(p, n); }
+
 template <typename WT>
 inline VF wload(const WT* p, int64_t n) {
   return n >= kLanes ? vload(p) : vload_n(p, n);
@@ -267,6 +271,17 @@ inline VF wload(const WT* p, int64_t n) {
 // through these, so a weight has one value in every kernel.
 template <int FMT>
 struct RowDec;
+
+// Bytes one chunk of 32 inputs takes in a stored row, by format.
+template <int FMT>
+constexpr int64_t chunk_bytes() {
+  return FMT == kF32 ? 128 : FMT == kBF16 ? 64 : FMT == kFP8 ? 32 : 16;
+}
+template <int FMT>
+inline const char* chunk_addr(const Mat& W, int64_t n, int64_t j) {
+  constexpr int64_t elem = FMT == kF32 ? 4 : FMT == kBF16 ? 2 : 1;   // NVFP4: ld is in bytes, chunks of 16
+  return static_cast<const char*>(W.data) + n * W.ld * elem + j * chunk_bytes<FMT>();
+}
 
 template <>
 struct RowDec<kF32> {
@@ -365,7 +380,14 @@ inline void rows_tile(const Mat& W, const Rows& X, int64_t t0, int64_t n, float*
     for (int t = 0; t < TT; ++t) acc[r][t] = vzero();
   const XPtrs<TT> xp(X, t0);
   const int64_t K = W.k, full = K / 32, left = K - 32 * full;
+  // Rows of a few KB are too short for the hardware prefetcher to ramp up on each: ask for the next tile's
+  // rows (R rows further, the next bytes of the same contiguous matrix) one cache line at a time.
+  constexpr int64_t every = 64 / chunk_bytes<FMT>() > 0 ? 64 / chunk_bytes<FMT>() : 1;
   for (int64_t j = 0; j < full; ++j) {
+    if (j % every == 0)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(chunk_addr<FMT>(W, n + R + r, j), 0, 3);
+    if (FMT == kF32)
+      for (int r = 0; r < R; ++r) __builtin_prefetch(chunk_addr<FMT>(W, n + R + r, j) + 64, 0, 3);
     VF w0[R], w1[R];
     for (int r = 0; r < R; ++r) RowDec<FMT>::get2(W, n + r, j, w0[r], w1[r]);
     for (int t = 0; t < TT; ++t) {
@@ -747,9 +769,11 @@ inline void attn_scores(const float* q, int64_t D, const CT* cache, const int32_
   }
 }
 
+// vscale multiplies every key and value the cache holds (256 for e4m3 entries read as value / 256).
 template <typename CT>
 void attention_typed(const float* qt, int64_t H, int64_t h0, int64_t h1, int64_t R, int64_t P, const CT* cache,
-                     int64_t page, const int32_t* table, int64_t visible, float scale, float* ot, float* scores) {
+                     int64_t page, const int32_t* table, int64_t visible, float scale, float* ot, float* scores,
+                     float vscale = 1.0f) {
   const int64_t D = R + P;
   (void)H;
   if (visible <= 0) {
@@ -790,7 +814,7 @@ void attention_typed(const float* qt, int64_t H, int64_t h0, int64_t h1, int64_t
         sum = vadd(sum, vload_n(s + j, left));   // masked lanes read back as 0
       }
     }
-    inv[h] = 1.0f / vhsum(sum);
+    inv[h] = vscale / vhsum(sum);
   }
   // out_h = sum_j p_hj * c_kv_j / sum_j p_hj, keys in order; register tiles of 4 heads x 64 latents
   for (int64_t g = 0; g < nh; g += 4) {
@@ -814,6 +838,9 @@ void attention(const float* q_t, int64_t H, int64_t h0, int64_t h1, int64_t R, i
   if (ctype == kBF16) {
     attention_typed(q_t, H, h0, h1, R, P, static_cast<const uint16_t*>(cache), page, table, visible, scale, out_t,
                     scratch);
+  } else if (ctype == kFP8) {   // e4m3 entries, per-tensor scale 1: value = e4m3
+    attention_typed(q_t, H, h0, h1, R, P, static_cast<const uint8_t*>(cache), page, table, visible, scale * 256.0f,
+                    out_t, scratch, 256.0f);
   } else {
     attention_typed(q_t, H, h0, h1, R, P, static_cast<const float*>(cache), page, table, visible, scale, out_t,
                     scratch);

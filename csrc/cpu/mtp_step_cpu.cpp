@@ -95,9 +95,10 @@ at::Tensor mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const 
   for (int64_t l : {int64_t{0}, drafting ? mtp_layer : int64_t{0}}) {
     const at::Tensor& c = caches[l];
     TORCH_CHECK(c.dim() == 3 && c.size(2) == d.R + d.P && c.is_contiguous() &&
-                    (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16) &&
+                    (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16 ||
+                     c.scalar_type() == at::kFloat8_e4m3fn) &&
                     c.sizes() == caches[0].sizes() && c.scalar_type() == caches[0].scalar_type(),
-                "mtp_step: caches must be contiguous [blocks, page, R+P] float32/bfloat16, all alike");
+                "mtp_step: caches must be contiguous [blocks, page, R+P] float32/bfloat16/float8_e4m3fn, all alike");
   }
   for (int64_t l = 1; l < L; ++l)
     TORCH_CHECK(caches[l].sizes() == caches[0].sizes() && caches[l].scalar_type() == caches[0].scalar_type() &&

@@ -65,7 +65,9 @@ class Engine:
         model.ensure_decode_fused()
         kv = cfg.kv_cache_config
         device = cfg.device
-        dtype = next(model.parameters()).dtype
+        # the KV cache in the model's dtype, or e4m3 (kv_cache_config.dtype fp8: per-tensor scale 1, see
+        # kv_cache/mla_cache.py), on every device
+        dtype = torch.float8_e4m3fn if kv.dtype == "fp8" else next(model.parameters()).dtype
         num_layers = len(model.model.layers) if self.K else model.num_main_layers
         num_blocks = plan_num_blocks(model.config, kv, num_layers, dtype, device,
                                      cfg.max_batch_size * (self.max_seq_len + 2 * self.K))

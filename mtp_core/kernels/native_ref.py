@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mtp_core.kernels.fused_ref import rms_norm_ref, rope_ref
+from mtp_core.kv_cache.mla_cache import write_slots
 
 
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,7 +99,7 @@ def decode_forward_ref(weights, first_layer: int, num_layers: int, ids, mtp_hidd
             q_lat = torch.stack([_lin(q[:, hh, :dn], layer.uk[hh], amx) for hh in range(nh)], 1)   # [T, nh, R]
         q = torch.cat([q_lat, q_pe], -1)
         kv = torch.cat([_norm(kv_raw[:, :R], layer.kv_norm, eps), rope_ref(kv_raw[:, R:], cos, sin, inter)], -1)
-        cache.view(-1, D).index_copy_(0, slot_mapping, kv.to(cache.dtype))
+        write_slots(cache, slot_mapping, kv)
         o = _attention(q, cache, R, qs, block_tables, lens, scale)                  # [T, nh, R]
         if not absorbed:
             o = torch.stack([_lin(o[:, hh], layer.uv[hh], amx) for hh in range(nh)], 1)   # [T, nh, dv]

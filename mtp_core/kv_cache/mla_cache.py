@@ -1,5 +1,13 @@
 """Latent KV cache tensors: one [num_blocks, tokens_per_block, kv_lora_rank + qk_rope_head_dim] per layer
-(main layers first, then one per MTP module), sized from free memory or an explicit token count."""
+(main layers first, then one per MTP module), sized from free memory or an explicit token count.
+
+In the model's dtype, or e4m3 (`kv_cache_config.dtype: fp8`, `--kv_cache_dtype fp8`, every device): half the
+bytes of bf16, so twice the tokens in the same memory. One per-tensor scale, 1: the cached latents are
+RMS-normed (|c_kv| about the norm weight) and the rope keys a projection of a normed input, both well inside
+e4m3's range (2^-9 .. 448), where its relative precision (3 mantissa bits) is the same at any magnitude, so a
+per-token or per-block scale would buy no precision and cost a scale read per key; the GPU's FP8 MLA kernel
+takes the same per-tensor scale, so one cache format serves every device. Values are rounded to nearest even
+and saturate at +-448 (torch's float8_e4m3fn conversion, also in the native forward)."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +18,16 @@ import torch
 from mtp_core.config import KvCacheConfig, ModelConfig
 
 log = logging.getLogger("mtp.kv_cache")
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
+    """cache [blocks, page, D] (any dtype), slots [T] int64, kv [T, D]: kv rounded to the cache's dtype into its
+    slots (an e4m3 cache through a byte view: torch's CPU index_copy has no float8 kernel)."""
+    flat = cache.view(-1, cache.shape[-1])
+    if cache.dtype == torch.float8_e4m3fn:
+        flat.view(torch.uint8).index_copy_(0, slots, kv.to(cache.dtype).view(torch.uint8))
+    else:
+        flat.index_copy_(0, slots, kv.to(cache.dtype))
 
 
 def free_memory_bytes(device: str) -> int:

@@ -17,9 +17,17 @@ from torch import nn
 
 from mtp_core import kernels
 from mtp_core.config import ModelConfig
+from mtp_core.kv_cache.mla_cache import write_slots
 from mtp_core.model.attention_metadata import AttentionMetadata
 from mtp_core.model.layers import RMSNorm
 from mtp_core.model.rope import RotaryEmbedding
+
+
+def kv_scale_of(kv_cache: torch.Tensor) -> torch.Tensor | None:
+    """The per-tensor dequantization scale of an e4m3 latent cache (1: see kv_cache/mla_cache.py), else None."""
+    if kv_cache.dtype != torch.float8_e4m3fn:
+        return None
+    return torch.ones(1, dtype=torch.float32, device=kv_cache.device)
 
 
 class MLAttention(nn.Module):
@@ -144,7 +152,7 @@ class MLAttention(nn.Module):
             return self._forward_decode_fused(x, rope, cos, sin, meta, kv_cache)
         q_nope, q_pe, kv = self._project(x, rope, cos, sin)
         flat_cache = kv_cache.view(-1, kv_cache.shape[-1])
-        flat_cache.index_copy_(0, meta.slot_mapping, kv.to(flat_cache.dtype))
+        write_slots(kv_cache, meta.slot_mapping, kv)
         if meta.use_absorbed and meta.uniform_q:
             # decode / verification rows (Q tokens each, row after row): the paged MLA decode op (native when
             # built) reads the cache in place
@@ -153,7 +161,8 @@ class MLAttention(nn.Module):
             q_lat = torch.einsum("tnd,ndr->tnr", q_nope, w_uk)                  # [T, H, r]
             o_lat, _ = kernels.mla_decode(q_lat.reshape(B, -1, *q_lat.shape[1:]).contiguous(),
                                           q_pe.reshape(B, -1, *q_pe.shape[1:]).contiguous(), kv_cache,
-                                          meta.block_tables_i32, meta.seqlens_i32, self.softmax_scale)
+                                          meta.block_tables_i32, meta.seqlens_i32, self.softmax_scale,
+                                          kv_scale_of(kv_cache))
             out = torch.einsum("tnr,nvr->tnv", o_lat.to(x.dtype).flatten(0, 1), w_uv)   # [T, H, dv]
         else:
             pad_q = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])[meta.q_index]  # noqa: E731
@@ -177,11 +186,12 @@ class MLAttention(nn.Module):
         q_lat, q_pe = q.view(-1, nh, r + dr).split([r, dr], dim=-1)
         ckv, k_pe = kv.split([r, dr], dim=-1)
         kv = torch.cat([self.kv_a_layernorm(ckv), rope.apply(k_pe, cos, sin, has_heads=False)], dim=-1)
-        kv_cache.view(-1, kv_cache.shape[-1]).index_copy_(0, meta.slot_mapping, kv.to(kv_cache.dtype))
+        write_slots(kv_cache, meta.slot_mapping, kv)
         B = meta.num_rows
         q_pe = rope.apply(q_pe, cos, sin, has_heads=True)
         o_lat, _ = kernels.mla_decode(q_lat.reshape(B, -1, nh, r), q_pe.reshape(B, -1, nh, dr), kv_cache,
-                                      meta.block_tables_i32, meta.seqlens_i32, self.softmax_scale)
+                                      meta.block_tables_i32, meta.seqlens_i32, self.softmax_scale,
+                                      kv_scale_of(kv_cache))
         return F.linear(o_lat.to(x.dtype).reshape(x.shape[0], nh * r), w_o)
 
     def forward_dense(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
