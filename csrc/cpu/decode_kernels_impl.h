@@ -283,32 +283,24 @@ inline const char* chunk_addr(const Mat& W, int64_t n, int64_t j) {
   return static_cast<const char*>(W.data) + n * W.ld * elem + j * chunk_bytes<FMT>();
 }
 
-template <>
-struct RowDec<kF32> {
+// fp32 and bf16: the stored values themselves (bf16 widened exactly).
+template <typename T>
+struct PlainRowDec {
   static void get2(const Mat& W, int64_t n, int64_t j, VF& a, VF& b) {
-    const float* p = static_cast<const float*>(W.data) + n * W.ld + 32 * j;
+    const T* p = static_cast<const T*>(W.data) + n * W.ld + 32 * j;
     a = vload(p);
     b = vload(p + 16);
   }
   static void tail2(const Mat& W, int64_t n, int64_t j, int64_t left, VF& a, VF& b) {
-    const float* p = static_cast<const float*>(W.data) + n * W.ld + 32 * j;
+    const T* p = static_cast<const T*>(W.data) + n * W.ld + 32 * j;
     a = wload(p, left);
     b = left > 16 ? vload_n(p + 16, left - 16) : vzero();
   }
 };
 template <>
-struct RowDec<kBF16> {
-  static void get2(const Mat& W, int64_t n, int64_t j, VF& a, VF& b) {
-    const uint16_t* p = static_cast<const uint16_t*>(W.data) + n * W.ld + 32 * j;
-    a = vload(p);
-    b = vload(p + 16);
-  }
-  static void tail2(const Mat& W, int64_t n, int64_t j, int64_t left, VF& a, VF& b) {
-    const uint16_t* p = static_cast<const uint16_t*>(W.data) + n * W.ld + 32 * j;
-    a = wload(p, left);
-    b = left > 16 ? vload_n(p + 16, left - 16) : vzero();
-  }
-};
+struct RowDec<kF32> : PlainRowDec<float> {};
+template <>
+struct RowDec<kBF16> : PlainRowDec<uint16_t> {};
 template <>
 struct RowDec<kFP8> {
   static VF scale(const Mat& W, int64_t n, int64_t j) {
