@@ -42,12 +42,12 @@ def confident(model, scale: float = 30.0):
 def record_rows(eng) -> list[list[int]]:
     """Per step: the number of drafts of every decode row (what the target verified)."""
     log: list[list[int]] = []
-    execute = eng.runner.execute
+    execute = eng._target          # the target step, native (one call) or the runner's
 
     def recording(rows, meta=None):
         log.append([len(r.token_ids) - 1 for r in rows if not r.is_prefill])
         return execute(rows, meta)
-    eng.runner.execute = recording
+    eng._target = recording
     return log
 
 

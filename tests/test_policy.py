@@ -370,12 +370,12 @@ def scripted(eng, script):
 def record_rows(eng) -> list[list[tuple[int, int]]]:
     """Per step: (request id, drafts verified) of every decode row."""
     log: list[list[tuple[int, int]]] = []
-    execute = eng.runner.execute
+    execute = eng._target          # the target step, native (one call) or the runner's
 
     def recording(rows, meta=None):
         log.append([(r.seq.request_id, len(r.token_ids) - 1) for r in rows if not r.is_prefill])
         return execute(rows, meta)
-    eng.runner.execute = recording
+    eng._target = recording
     return log
 
 

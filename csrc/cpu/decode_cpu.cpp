@@ -658,12 +658,13 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
       "int k, int scale_r0, float gscale2, bool amx=False) -> Tensor");
   // The MTP Eagle decode step in one call (greedy, strict; mtp_step_cpu.cpp): target forward over each row's
   // [t, d_1..d_k], verification, Eagle forward 1 over the accepted tokens and num_drafts[b] chained drafts
-  // -> [B, 1 + (kmax + 1) + dmax] int64: (n, emitted tokens, next drafts), -1 padded. Writes the main and the
-  // MTP module's KV in `caches` (all layers, indexed as model.layers).
+  // -> ([B, 1 + (kmax + 1) + dmax] int64: (n, emitted tokens, next drafts), -1 padded; the target's hidden
+  // [T, H] float32). Writes the main and the MTP module's KV in `caches` (all layers, indexed as model.layers);
+  // mtp_layer -1: no drafting (the target step and its verification only).
   m.def(
       "mtp_step(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor ids, Tensor query_start, "
       "Tensor start, Tensor block_tables, Tensor num_drafts, Tensor(a!)[] caches, Tensor rope_cos, "
-      "Tensor rope_sin, int mtp_layer) -> Tensor");
+      "Tensor rope_sin, int mtp_layer) -> (Tensor, Tensor)");
   m.impl("mtp_step", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mtp_step_cpu)));
   m.impl("decode_forward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_forward_cpu)));
   m.impl("decode_logits", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_logits_cpu)));

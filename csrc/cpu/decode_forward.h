@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -36,7 +37,7 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
 void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y);
 
 // The op mtp_core::mtp_step (mtp_step_cpu.cpp; registered with the others in decode_cpu.cpp).
-at::Tensor mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids,
+std::tuple<at::Tensor, at::Tensor> mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids,
                         const at::Tensor& query_start, const at::Tensor& start, const at::Tensor& block_tables,
                         const at::Tensor& num_drafts, at::TensorList caches, const at::Tensor& rope_cos,
                         const at::Tensor& rope_sin, int64_t mtp_layer);

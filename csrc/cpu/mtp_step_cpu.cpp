@@ -9,11 +9,13 @@
 //
 // Rows may carry different numbers of drafts in and out (k_b, num_drafts[b] up to K). Python sees one call
 // and one small tensor per step: [B, 1 + (kmax + 1) + dmax] int64 = (n, emitted padded with -1, drafts padded
-// with -1). Every forward is the batch-invariant native forward, so the tokens are the eager engine's.
+// with -1), with the target's hidden states [T, H] (what a drafter outside the call needs: MTP Vanilla, rows
+// that draft later). Every forward is the batch-invariant native forward, so the tokens are the eager engine's.
 #include <algorithm>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <torch/library.h>
 
@@ -67,7 +69,7 @@ struct RowsAt {
 
 }  // namespace
 
-at::Tensor mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids,
+std::tuple<at::Tensor, at::Tensor> mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids,
                         const at::Tensor& query_start, const at::Tensor& start, const at::Tensor& block_tables,
                         const at::Tensor& num_drafts, at::TensorList caches, const at::Tensor& rope_cos,
                         const at::Tensor& rope_sin, int64_t mtp_layer) {
@@ -139,9 +141,11 @@ at::Tensor mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const 
   std::vector<int64_t> first(st, st + B), len(B);
   for (int64_t b = 0; b < B; ++b) len[b] = qs[b + 1] - qs[b];
   const RowsAt target(first, len, tables, max_blocks, page, cos, sin);
-  std::vector<float> hidden(T * H), logits(T * V);
-  forward_layers(W, 0, L, tok, nullptr, main_caches, target.batch, true, hidden.data());
-  lm_head(W, hidden.data(), T, logits.data());
+  at::Tensor hidden_t = at::empty({T, H}, ids.options().dtype(at::kFloat));
+  float* hidden = hidden_t.data_ptr<float>();
+  std::vector<float> logits(T * V);
+  forward_layers(W, 0, L, tok, nullptr, main_caches, target.batch, true, hidden);
+  lm_head(W, hidden, T, logits.data());
 
   // 2. strict verification
   at::Tensor out = at::full({B, 1 + (kmax + 1) + dmax}, -1, ids.options());
@@ -161,7 +165,7 @@ at::Tensor mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const 
       h_rows.push_back(qs[b] + i);
     }
   }
-  if (!drafting) return out;
+  if (!drafting) return {out, hidden_t};
   // 3. Eagle forward 1 over the newly valid positions of every row (also for rows that want no drafts: their
   // MTP caches stay up to date, so nothing lags)
   std::vector<int64_t> len1(B);
@@ -169,7 +173,7 @@ at::Tensor mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const 
   const RowsAt fwd1(first, len1, tables, max_blocks, page, cos, sin);
   const int64_t T1 = fwd1.batch.T;
   std::vector<float> h1(T1 * H), g1(T1 * H);
-  for (int64_t i = 0; i < T1; ++i) std::copy_n(&hidden[h_rows[i] * H], H, &h1[i * H]);
+  for (int64_t i = 0; i < T1; ++i) std::copy_n(hidden + h_rows[i] * H, H, &h1[i * H]);
   forward_layers(W, mtp_layer, 1, emitted.data(), h1.data(), mtp_cache, fwd1.batch, false, g1.data());
 
   // 4. the draft chain: rows that want j more drafts
@@ -210,7 +214,7 @@ at::Tensor mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const 
     for (int64_t r = 0; r < nn; ++r) std::copy_n(&gn[r * H], H, &g[next[r] * H]);
     rows = next;
   }
-  return out;
+  return {out, hidden_t};
 }
 
 }  // namespace mtp_core

@@ -94,10 +94,11 @@ class Engine:
         # on a CPU with the native forward: the whole Eagle decode step in one native call where the batch allows
         use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
         self.native_step = (NativeStep(model, self.caches, self.K, kv.tokens_per_block, self.relaxed,
-                                       fixed_counts=self.policy.policy == "fixed")
+                                       fixed_counts=self.policy.policy == "fixed",
+                                       drafts_inside=not self.K or (mode == "eagle"
+                                                                    and not spec.draft_confidence_threshold))
                             if use_native_step and self.graphs is None and not self.overlap and drafter is None
-                            and model.native is not None
-                            and (not self.K or (mode == "eagle" and not spec.draft_confidence_threshold)) else None)
+                            and model.native is not None else None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
         self._prepared: Optional[tuple[list[ScheduledRow], AttentionMetadata]] = None
 
@@ -214,8 +215,7 @@ class Engine:
                 self._store_drafts(inputs, [drafts_of[id(i.seq)][:i.max_drafts] for i in inputs], rewind=True)
                 fused.num_replays += 1
                 return self._finish_step(rows, result, t0, c0, c1)
-            out = self.runner.execute(rows, meta)
-            result = self._verify(rows, out)
+            out, result = self._target(rows, meta)
             inputs = self._commit(rows, result, out)
             c1 = self.policy.clock()
             if self.drafter is not None:
@@ -252,6 +252,15 @@ class Engine:
                     self.scheduler.finish(r.seq, cache=False)
             raise
         return self._finish_step(rows, result, t0, c0, c1)
+
+    def _target(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]) -> tuple[TargetOutput, VerifyResult]:
+        """The target forward and verification: one native call where the batch allows (NativeStep.target),
+        else runner.execute and the verifier."""
+        if self.native_step is not None and self.native_step.can_verify(rows):
+            tokens, hidden = self.native_step.target(rows)
+            return TargetOutput(hidden, [None] * len(rows)), VerifyResult(tokens)
+        out = self.runner.execute(rows, meta)
+        return out, self._verify(rows, out)
 
     def _finish_step(self, rows: list[ScheduledRow], result: VerifyResult, t0: float, c0: float, c1: float
                      ) -> list[Sequence]:
