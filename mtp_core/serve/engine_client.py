@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import queue
 import socket
 import subprocess
@@ -24,6 +23,8 @@ import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+import msgspec
 
 import mtp_core
 from mtp_core.serve.engine_core import EngineCore, run_engine_loop
@@ -109,7 +110,7 @@ class EngineProcess:
         self.proc = subprocess.Popen([sys.executable, "-m", "mtp_core.serve.engine_proc", str(fd)],
                                      pass_fds=(fd,), env=env, stdin=subprocess.DEVNULL)
         child.close()
-        self._conn.send_bytes(pickle.dumps((cfg, log_level)))
+        self._conn.send_bytes(msgspec.msgpack.encode((cfg, log_level)))   # data only: no pickle
         self.ready: Optional[Ready] = None
         self._eof = False
         # commands are written by one sender thread: neither the event loop nor the output thread ever

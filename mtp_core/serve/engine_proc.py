@@ -1,6 +1,6 @@
 """The engine process of `mtp serve`: `python -m mtp_core.serve.engine_proc FD` (started by EngineProcess).
 
-FD is this end of the socket pair to the API process. The first frame is the pickled (LLMConfig, log
+FD is this end of the socket pair to the API process. The first frame is the MessagePack (LLMConfig, log
 level); then the model loads and the process answers Ready (or Failed) and serves the engine loop until a
 Shutdown command or the end of the socket (the API process is gone). SIGINT and SIGTERM are ignored: the
 API process owns the shutdown.
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
-import pickle
 import signal
 import sys
 from typing import Any
+
+import msgspec
 
 
 def _die_with_parent() -> None:
@@ -43,8 +44,10 @@ def main(argv: list[str]) -> int:
     _die_with_parent()
     from multiprocessing.connection import Connection
 
+    from mtp_core.config import LLMConfig
+
     conn = Connection(int(argv[0]))
-    cfg, log_level = pickle.loads(conn.recv_bytes())
+    cfg, log_level = msgspec.msgpack.decode(conn.recv_bytes(), type=tuple[LLMConfig, str])
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[%(levelname)s] %(name)s: %(message)s"))
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.WARNING), handlers=[handler], force=True)
