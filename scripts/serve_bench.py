@@ -125,7 +125,7 @@ def big_prompts(args, out: Path) -> list[str]:
         async def stream(c: httpx.AsyncClient) -> list[float]:
             ts = []
             async with c.stream("POST", server.url + "/v1/completions", json={
-                    "model": model_id, "prompt": "What is 347 + 285?", "max_tokens": 400, "ignore_eos": True,
+                    "model": model_id, "prompt": "What is 347 + 285?", "max_tokens": 900, "ignore_eos": True,
                     "stream": True}) as resp:
                 async for line in resp.aiter_lines():
                     if line.startswith("data: {"):
@@ -135,12 +135,14 @@ def big_prompts(args, out: Path) -> list[str]:
         async def main():
             async with httpx.AsyncClient(timeout=300) as c:
                 tasks = [asyncio.create_task(stream(c)) for _ in range(8)]
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(0.3)          # the streams are decoding (900 tokens last a few s)
                 t0 = time.perf_counter()
                 await c.post(server.url + "/v1/completions", content=big, headers={"Content-Type": "application/json"})
                 return await asyncio.gather(*tasks), t0, time.perf_counter()
         streams, t0, t1 = asyncio.run(main())
         gaps = [b - a for ts in streams for a, b in zip(ts, ts[1:]) if b >= t0 and a <= t1]
+        if not gaps:
+            raise RuntimeError("the streams ended before the 1 MB prompt arrived; raise their max_tokens")
         all_gaps = sorted(b - a for ts in streams for a, b in zip(ts, ts[1:]))
         rows.append(f"| longest stall of another stream during a 1 MB prompt | {1e3 * max(gaps):.1f} ms (their median "
                     f"inter-token {1e3 * all_gaps[len(all_gaps) // 2]:.1f} ms; the prompt answered in "
