@@ -101,7 +101,7 @@ struct Work {
   // routing result: experts in ascending id with their tokens (pair rows into act) and weights
   std::vector<int32_t> active, first, tokens;         // tokens of active[i] at tokens[first[i]..first[i+1])
   std::vector<float> weight;                          // parallel to tokens
-  int64_t q_in_ld = 0, q_ld = 0, qlat_ld = 0;
+  int64_t q_in_ld = 0;
 };
 
 struct Forward {
@@ -109,7 +109,6 @@ struct Forward {
   const DecodeDims& d;
   const Batch& b;
   Work& w;
-  const std::vector<at::Tensor>& caches;
   int64_t scratch_floats;
 
   // ---- helpers ------------------------------------------------------------------------------------
@@ -443,7 +442,7 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
     scratch[i] = buf<float>(scratch_floats + T * H);
     att[i] = buf<float>(nh * (b.max_ctx + 2));
   }
-  Forward f{W, d, b, w, caches, scratch_floats};
+  Forward f{W, d, b, w, scratch_floats};
   const float* emb_f = static_cast<const float*>(W.embed().p);
   const c10::BFloat16* emb_b = static_cast<const c10::BFloat16*>(W.embed().p);
   run_team(nt, [&](Team& tm) {

@@ -93,7 +93,7 @@ class Engine:
                         and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
         # on a CPU with the native forward: the whole Eagle decode step in one native call where the batch allows
         use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
-        self.native_step = (NativeStep(model, self.caches, self.K, kv.tokens_per_block, self.relaxed,
+        self.native_step = (NativeStep(model, self.caches, self.K, self.relaxed,
                                        fixed_counts=self.policy.policy == "fixed",
                                        drafts_inside=not self.K or (mode == "eagle"
                                                                     and not spec.draft_confidence_threshold))

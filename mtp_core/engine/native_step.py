@@ -26,9 +26,9 @@ from mtp_core.model import DeepseekV3ForCausalLM
 
 
 class NativeStep:
-    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int, tokens_per_block: int,
+    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int,
                  relaxed: Optional[tuple[int, float]], fixed_counts: bool, drafts_inside: bool) -> None:
-        self.model, self.caches, self.K, self.page = model, caches, K, tokens_per_block
+        self.caches, self.K = caches, K
         self.native = model.native
         self.mtp_layer = model.num_main_layers if K else -1  # Eagle: module 0; -1: no drafting (nextn = 0)
         self.relaxed_on = relaxed is not None and relaxed[0] > 1 and relaxed[1] > 0
@@ -39,13 +39,10 @@ class NativeStep:
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
         """self when every row is a greedy strict decode row whose MTP caches are up to date, else None."""
-        if not rows or not self.drafts_inside:
+        if not self.drafts_inside or not self.can_verify(rows):
             return None
-        for r in rows:
-            s = r.seq
-            if (r.is_prefill or not s.params.greedy or len(r.token_ids) > self.K + 1
-                    or (self.K and (s.spec_off or s.mtp_valid != r.start or (self.relaxed_on and s.in_thinking)))):
-                return None
+        if self.K and any(r.seq.spec_off or r.seq.mtp_valid != r.start for r in rows):
+            return None
         return self
 
     def can_verify(self, rows: list[ScheduledRow]) -> bool:

@@ -38,7 +38,6 @@ class NativeDecoder:
         self.weights = weights
         self.handle = torch.classes.mtp_core.DecodeWeights(*weights.dictionaries())
         self.num_main = model.num_main_layers
-        self.dtype = weights.embed.dtype
         self.vocab = weights.dims["vocab"]
         self.rope_len = 0
         self.grow_rope(int(model.config.max_position_embeddings) + 64)
