@@ -48,6 +48,13 @@ def record_rows(eng) -> list[list[int]]:
         log.append([len(r.token_ids) - 1 for r in rows if not r.is_prefill])
         return execute(rows, meta)
     eng._target = recording
+    if eng.native_step is not None:      # the whole step in one native call bypasses _target
+        run = eng.native_step.run
+
+        def recording_run(rows):
+            log.append([len(r.token_ids) - 1 for r in rows])
+            return run(rows)
+        eng.native_step.run = recording_run
     return log
 
 

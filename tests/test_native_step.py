@@ -23,15 +23,17 @@ def engines(model, **kw):
     return make_engine(model, native_step=False, **kw), make_engine(model, native_step=True, **kw)
 
 
-@pytest.mark.parametrize("ckpt,K", [("tiny1", 0), ("tiny1", 1), ("tiny1", 3), ("tiny3", 2), ("tiny3", 4)])
-def test_native_step_is_token_exact_and_drafts_as_eager(models, ckpt, K) -> None:
+@pytest.mark.parametrize("ckpt,K,mode", [("tiny1", 0, "eagle"), ("tiny1", 1, "eagle"), ("tiny1", 3, "eagle"),
+                                         ("tiny3", 2, "eagle"), ("tiny3", 4, "eagle"), ("tiny3", 2, "vanilla"),
+                                         ("tiny3", 3, "vanilla")])
+def test_native_step_is_token_exact_and_drafts_as_eager(models, ckpt, K, mode) -> None:
     """Batches of 1..4 rows, requests finishing at different times: the output equals greedy without MTP, and
-    every step's drafts and statistics equal the general path's."""
+    every step's drafts and statistics equal the general path's (Eagle's and Vanilla's drafters)."""
     model = models[ckpt]
     prompts = PROMPTS[:7]
     params = [greedy(MAX_TOKENS - 3 * (i % 3)) for i in range(len(prompts))]
     drafts, stats = [], []
-    for eng in engines(model, nextn=K, mode="eagle", max_batch_size=4):
+    for eng in engines(model, nextn=K, mode=mode, max_batch_size=4):
         drafts.append(drafts_per_step(eng))
         seqs = run_to_end(eng, prompts, params)
         for p, s, sp in zip(prompts, seqs, params):
@@ -59,7 +61,7 @@ def test_native_step_with_per_row_draft_limits(models, spec) -> None:
     assert drafts[0] == drafts[1] and eng.native_step.num_replays > 0
 
 
-def test_relaxed_thinking_sampled_and_vanilla_take_the_general_path(models) -> None:
+def test_relaxed_thinking_and_sampled_take_the_general_path(models) -> None:
     model = models["tiny1"]
     spec = dict(use_relaxed_acceptance_for_thinking=True, relaxed_topk=5, relaxed_delta=0.3)
     prompts = [[100, THINK_IDS[0], 200], [40, THINK_IDS[0], 41, 42]]
@@ -71,10 +73,11 @@ def test_relaxed_thinking_sampled_and_vanilla_take_the_general_path(models) -> N
     run_to_end(eng, PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.8, seed=3))
     assert eng.native_step.num_replays == 0
     outs = []
-    for eng in engines(models["tiny3"], nextn=2, mode="vanilla", max_batch_size=2):
+    spec = dict(draft_confidence_threshold=1e-3)
+    for eng in engines(models["tiny3"], nextn=2, mode="vanilla", max_batch_size=2, spec=spec):
         outs.append([s.output_ids for s in run_to_end(eng, PROMPTS[:3], greedy(MAX_TOKENS))])
         stats = (eng.stats.num_draft_proposed, eng.stats.num_draft_accepted)
-    # Vanilla drafts in Python; its target forward and verification still take one native call per step
+    # the confidence gate drafts in Python; the target forward and verification still take one native call
     assert not eng.native_step.drafts_inside and eng.native_step.num_replays == 0 and eng.native_step.num_targets > 0
     assert outs[0] == outs[1] == [reference(models["tiny3"], p, MAX_TOKENS) for p in PROMPTS[:3]] and stats[1] > 0
 
@@ -94,13 +97,82 @@ def test_native_step_refuses_bad_tables(models) -> None:
                                     eng.caches, nd.rope_cos, nd.rope_sin, 0)
 
 
-def test_native_step_under_the_cost_policy_is_lossless(models) -> None:
+@pytest.mark.parametrize("mode", ["eagle", "vanilla"])
+def test_native_step_under_the_cost_policy_is_lossless(models, mode) -> None:
     """The default draft-length policy (measured costs) with the native step: each row's next drafts are the
     count the policy chose last, cut to its new choice; greedy output stays exactly plain greedy."""
     model = models["tiny3"]
     prompts = PROMPTS[:6]
-    _, eng = engines(model, nextn=3, mode="eagle", max_batch_size=4, spec=dict(draft_len_policy="cost"))
+    _, eng = engines(model, nextn=3, mode=mode, max_batch_size=4, spec=dict(draft_len_policy="cost"))
     assert not eng.native_step.fixed_counts
     seqs = run_to_end(eng, prompts, greedy(MAX_TOKENS))
     assert [s.output_ids for s in seqs] == [reference(model, p, MAX_TOKENS) for p in prompts]
     assert eng.native_step.num_replays > 0
+
+
+def test_native_vanilla_step_refuses_short_windows(models) -> None:
+    """MTP Vanilla's module 1 re-reads up to K - 1 stored positions, a lagging row its lagging ones: a window
+    shorter than that is refused before anything is written."""
+    model = models["tiny3"]
+    _, eng = engines(model, nextn=3, mode="vanilla", max_batch_size=1)
+    nd = model.native
+    H = model.config.hidden_size
+    table = torch.arange(8, dtype=torch.int32)[None]
+
+    def call(w, valid=10, num_drafts=3, ids=(5, 6, 7, 8)):
+        return torch.ops.mtp_core.mtp_step(
+            nd.handle, torch.tensor(ids), torch.tensor([0, len(ids)], dtype=torch.int32), torch.tensor([10]),
+            table, torch.tensor([num_drafts], dtype=torch.int32), eng.caches, nd.rope_cos, nd.rope_sin,
+            model.num_main_layers, 3, torch.full((w,), 3, dtype=torch.long), torch.zeros(w, H),
+            torch.tensor([w], dtype=torch.int32), torch.tensor([valid]))
+    with pytest.raises(RuntimeError, match="window of 1 positions"):
+        call(1)
+    with pytest.raises(RuntimeError, match="window of 2 positions"):
+        call(2, valid=7)                                  # positions 7..9 lag: 3 stored ones needed
+    out, hidden, window = call(2)
+    assert out.shape == (1, 1 + 4 + 3) and hidden.shape == (4, H) and window.shape == (1, 3, H)
+    out, _, window = call(0, num_drafts=0)                # no drafts: no MTP forward, no window needed
+    assert (out[0, 5:] == -1).all() and window.numel() == 0
+    with pytest.raises(RuntimeError, match="wants 4 drafts from 3"):
+        call(2, num_drafts=4, ids=(5,))
+
+
+def test_native_step_lets_rows_without_drafts_lag_and_catches_them_up(models) -> None:
+    """Rows given 0 drafts run no MTP forward inside the call (their caches lag, their hidden states wait in
+    mtp_pending) and catch up inside a later call: the output stays plain greedy, for both drafting modes."""
+    from test_mtp_decoding import _check_caches
+
+    model = models["tiny3"]
+    prompts = PROMPTS[:4]
+    for mode in ("eagle", "vanilla"):
+        _, eng = engines(model, nextn=3, mode=mode, max_batch_size=4, spec=dict(draft_len_policy="cost"))
+        pattern = {}
+
+        def choose(rows, in_flight, eng=eng):     # per row and step: 0, 0, K, 0, 2, K, ... (ragged, lagging)
+            out = []
+            for r in rows:
+                n = pattern[r.seq.request_id] = pattern.get(r.seq.request_id, -1) + 1
+                k = [0, 0, 3, 0, 2, 3, 1][(n + r.seq.request_id) % 7] if r.needs_drafts else 0
+                r.seq.draft_len = k
+                out.append(k)
+            return out
+        eng.policy.choose = choose
+        lagged = []
+        run = eng.native_step.run
+
+        def recording(rows, run=run):
+            lagged.append(sum(1 for r in rows if r.seq.mtp_valid < r.start and eng.native_step._limit(r)))
+            return run(rows)
+        eng.native_step.run = recording
+        seqs = [eng.add_request(p, greedy(MAX_TOKENS)) for p in prompts]
+        checked = 0
+        while eng.has_unfinished():
+            n = len(lagged)
+            eng.step()
+            if len(lagged) > n and lagged[-1]:        # a native step caught rows up: their caches are exact
+                up = [s for s in seqs if not s.is_finished and s.mtp_valid == s.num_cached]
+                _check_caches(model, eng, up, mode, 3)
+                checked += len(up)
+        assert [s.output_ids for s in seqs] == [reference(model, p, MAX_TOKENS) for p in prompts], mode
+        assert sum(lagged) > 0 and checked > 0, f"{mode}: no native step caught a lagging row up"
+        assert eng.stats.num_draft_accepted > 0

@@ -655,15 +655,19 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
   m.def(
       "mat_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? gscale, Tensor? bias, int layout, int fmt, int n, "
       "int k, int scale_r0, float gscale2, bool amx=False) -> Tensor");
-  // The MTP Eagle decode step in one call (greedy, strict; mtp_step_cpu.cpp): target forward over each row's
-  // [t, d_1..d_k], verification, Eagle forward 1 over the accepted tokens and num_drafts[b] chained drafts
-  // -> ([B, 1 + (kmax + 1) + dmax] int64: (n, emitted tokens, next drafts), -1 padded; the target's hidden
-  // [T, H] float32). Writes the main and the MTP module's KV in `caches` (all layers, indexed as model.layers);
-  // mtp_layer -1: no drafting (the target step and its verification only).
+  // The MTP decode step in one call (greedy, strict; mtp_step_cpu.cpp): target forward over each row's
+  // [t, d_1..d_k], verification, then for the rows with num_drafts[b] > 0 Eagle (num_modules 1: forward 1 over
+  // the positions from mtp_valid[b] and the chained drafts) or Vanilla (num_modules K: module k over the row's
+  // window and its first drafts); the stored positions these re-read come in as window_len / window_ids /
+  // window_hidden -> ([B, 1 + (kmax + 1) + dmax] int64: (n, emitted tokens, next drafts), -1 padded; the
+  // target's hidden [T, H] float32; Vanilla's new windows [B, K, H] float32, else empty). Writes the main and
+  // the MTP modules' KV in `caches` (all layers, indexed as model.layers); mtp_layer -1: no drafting (the
+  // target step and its verification only).
   m.def(
       "mtp_step(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor ids, Tensor query_start, "
       "Tensor start, Tensor block_tables, Tensor num_drafts, Tensor(a!)[] caches, Tensor rope_cos, "
-      "Tensor rope_sin, int mtp_layer) -> (Tensor, Tensor)");
+      "Tensor rope_sin, int mtp_layer, int num_modules=1, Tensor? window_ids=None, Tensor? window_hidden=None, "
+      "Tensor? window_len=None, Tensor? mtp_valid=None) -> (Tensor, Tensor, Tensor)");
   m.impl("mtp_step", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mtp_step_cpu)));
   m.impl("decode_forward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_forward_cpu)));
   m.impl("decode_logits", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_logits_cpu)));

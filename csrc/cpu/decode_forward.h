@@ -2,6 +2,7 @@
 // run it: decode_forward, decode_logits, and the fused MTP step (mtp_step_cpu.cpp).
 #pragma once
 
+#include <optional>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -37,9 +38,11 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
 void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y);
 
 // The op mtp_core::mtp_step (mtp_step_cpu.cpp; registered with the others in decode_cpu.cpp).
-std::tuple<at::Tensor, at::Tensor> mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids,
-                        const at::Tensor& query_start, const at::Tensor& start, const at::Tensor& block_tables,
-                        const at::Tensor& num_drafts, at::TensorList caches, const at::Tensor& rope_cos,
-                        const at::Tensor& rope_sin, int64_t mtp_layer);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
+    const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids, const at::Tensor& query_start,
+    const at::Tensor& start, const at::Tensor& block_tables, const at::Tensor& num_drafts, at::TensorList caches,
+    const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t mtp_layer, int64_t num_modules,
+    const std::optional<at::Tensor>& window_ids, const std::optional<at::Tensor>& window_hidden,
+    const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid);
 
 }  // namespace mtp_core

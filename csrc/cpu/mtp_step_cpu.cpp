@@ -1,22 +1,29 @@
-// The MTP Eagle decode step in one native call (mtp_core::mtp_step): the CPU twin of the static (CUDA-graph)
-// step of mtp_core/engine/graph_runner.py, with the same contract, for greedy strict rows:
+// The MTP decode step in one native call (mtp_core::mtp_step): the CPU twin of the static (CUDA-graph)
+// step of mtp_core/engine/graph_runner.py, with the same contract, for greedy strict rows. MTP Eagle:
 //
 //   target  = model([t, d_1..d_k])       row b feeds k_b drafts at positions start..start+k_b (main KV written)
 //   m       = accepted drafts            d_{i+1} == argmax(logits_i), first index on ties (torch's argmax)
 //   emitted = [d_1..d_m, argmax at m]    n = m + 1 tokens
-//   g       = MTP(emitted, target hidden)   Eagle forward 1 over positions start..start+m (MTP KV written)
+//   g       = MTP(emitted, target hidden)   Eagle forward 1 over positions mtp_valid..start+m (MTP KV written)
 //   D_1     = argmax head(g at start+m);  D_j = MTP(D_{j-1}, g) at start+m+j-1, for j <= num_drafts[b]
 //
-// Rows may carry different numbers of drafts in and out (k_b, num_drafts[b] up to K). Python sees one call
-// and one small tensor per step: [B, 1 + (kmax + 1) + dmax] int64 = (n, emitted padded with -1, drafts padded
-// with -1), with the target's hidden states [T, H] (what a drafter outside the call needs: MTP Vanilla, rows
-// that draft later). Every forward is the batch-invariant native forward, so the tokens are the eager engine's.
+// MTP Vanilla (num_modules = K > 1) replaces the last two lines with the K modules' windows (vanilla_chain).
+// Rows may carry different numbers of drafts in and out (k_b, num_drafts[b] up to K). A row that wants no
+// drafts runs no MTP forward at all (its MTP caches lag: the engine keeps its hidden states), so a step
+// without drafts costs what decoding without MTP costs; a row whose caches lag (mtp_valid < start) brings the
+// lagging positions' tokens and hidden states as its window and catches up inside the call. Python sees one
+// call and one small tensor per step: [B, 1 + (kmax + 1) + dmax] int64 = (n, emitted padded with -1, drafts
+// padded with -1), with the target's hidden states [T, H] (what the engine keeps for rows that lag, and what a
+// drafter outside the call needs). Every forward is the batch-invariant native forward, so the tokens are the
+// eager engine's.
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "decode_forward.h"
@@ -67,12 +74,167 @@ struct RowsAt {
   }
 };
 
+// The block tables of rows `rows` (indices into tables [B, max_blocks]), packed in that order.
+std::vector<int32_t> tables_of(const std::vector<int64_t>& rows, const int32_t* tables, int64_t max_blocks) {
+  std::vector<int32_t> out(rows.size() * max_blocks);
+  for (size_t r = 0; r < rows.size(); ++r)
+    std::copy_n(tables + rows[r] * max_blocks, max_blocks, &out[r * max_blocks]);
+  return out;
+}
+
+// One row's stored positions before `start` that an MTP forward re-feeds: tokens x_{q+1}, main hidden h_q.
+struct Window {
+  const int64_t* ids = nullptr;
+  const float* hidden = nullptr;
+  std::vector<int64_t> off;          // row b's entries: [off[b], off[b + 1]), the last ones end at start - 1
+  std::vector<int64_t> mtp_valid;    // row b's MTP caches hold positions 0 .. mtp_valid[b] - 1
+
+  // row b's last n entries, appended to toks / hids
+  void tail(int64_t b, int64_t n, int64_t H, std::vector<int64_t>& toks, std::vector<float>& hids) const {
+    const int64_t w0 = off[b + 1] - n;
+    toks.insert(toks.end(), ids + w0, ids + off[b + 1]);
+    hids.insert(hids.end(), hidden + w0 * H, hidden + off[b + 1] * H);
+  }
+};
+
+// MTP Vanilla after verification (drafter.py's VanillaDrafter, the same numbers), for the rows `run` (those
+// that want drafts): row b's window is positions s_b .. V_b - 1 with V_b = start + m + 1 and
+// s_b = max(min(V_b - K, mtp_valid), 0), fed as (x_{q+1}, main h_q); module k runs over the window plus the row's
+// first min(k, nd_b) drafts (D_j, g_j) at V_b .., and its output at the last position gives D_{k+1} (g_{k+1})
+// while k < nd_b. Every module runs over every such row's window, so none of their caches lags. Returns the new
+// windows: the main hidden states of each row's last min(K, V_b - s_b) valid positions, right-aligned in
+// [B, K, H] (zero for rows not run).
+at::Tensor vanilla_chain(const DecodeWeights& W, int64_t mtp_layer, int64_t K, at::TensorList caches,
+                         const std::vector<int64_t>& run, const float* hidden, const int32_t* qs, const int64_t* st,
+                         const int32_t* nd, const std::vector<int64_t>& m, int64_t* o, int64_t ld, int64_t kmax,
+                         const Window& win, const int32_t* tables, int64_t max_blocks, int64_t page, const float* cos,
+                         const float* sin) {
+  const int64_t B = static_cast<int64_t>(m.size()), R = static_cast<int64_t>(run.size());
+  const int64_t H = W.dims().H, V = W.dims().vocab;
+  std::vector<int64_t> s(R), base(R);
+  std::vector<std::vector<int64_t>> toks(R);    // per run row: the window's tokens, then its drafts
+  std::vector<std::vector<float>> hids(R);      // their hidden states [n, H]
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t b = run[r], valid = st[b] + m[b] + 1;
+    s[r] = std::max<int64_t>(std::min<int64_t>(valid - K, win.mtp_valid[b]), 0);
+    win.tail(b, st[b] - s[r], H, toks[r], hids[r]);                 // the stored positions the window re-reads
+    for (int64_t i = 0; i <= m[b]; ++i) toks[r].push_back(o[b * ld + 1 + i]);
+    hids[r].insert(hids[r].end(), hidden + qs[b] * H, hidden + (qs[b] + m[b] + 1) * H);
+    base[r] = static_cast<int64_t>(toks[r].size());
+  }
+  at::Tensor window = at::zeros({B, K, H}, at::TensorOptions().dtype(at::kFloat));
+  float* wout = window.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t n = std::min(K, base[r]);
+    std::copy_n(hids[r].data() + (base[r] - n) * H, n * H, wout + (run[r] * K + K - n) * H);
+  }
+  const std::vector<int32_t> tab = tables_of(run, tables, max_blocks);
+  std::vector<float> lg;
+  for (int64_t k = 0; k < K; ++k) {
+    std::vector<int64_t> len(R), ids;
+    std::vector<float> hin;
+    for (int64_t r = 0; r < R; ++r) {
+      len[r] = static_cast<int64_t>(toks[r].size());
+      ids.insert(ids.end(), toks[r].begin(), toks[r].end());
+      hin.insert(hin.end(), hids[r].begin(), hids[r].end());
+    }
+    const RowsAt rows(s, len, tab.data(), max_blocks, page, cos, sin);
+    std::vector<float> g(rows.batch.T * H);
+    forward_layers(W, mtp_layer + k, 1, ids.data(), hin.data(), {caches[mtp_layer + k]}, rows.batch, false,
+                   g.data());
+    std::vector<int64_t> active;                  // run rows (indices r) that take a draft from module k
+    for (int64_t r = 0; r < R; ++r)
+      if (k < nd[run[r]]) active.push_back(r);
+    if (active.empty()) continue;
+    const int64_t n = static_cast<int64_t>(active.size());
+    std::vector<float> last(n * H);
+    for (int64_t a = 0; a < n; ++a)
+      std::copy_n(&g[(rows.qstart[active[a] + 1] - 1) * H], H, &last[a * H]);
+    lg.resize(n * V);
+    lm_head(W, last.data(), n, lg.data());
+    for (int64_t a = 0; a < n; ++a) {
+      const int64_t r = active[a], dk = argmax_row(&lg[a * V], V);
+      o[run[r] * ld + 1 + (kmax + 1) + k] = dk;
+      if (k + 1 < K) {          // the next modules see this draft
+        toks[r].push_back(dk);
+        hids[r].insert(hids[r].end(), &last[a * H], &last[a * H] + H);
+      }
+    }
+  }
+  return window;
+}
+
+// MTP Eagle after verification for the rows `run`: forward 1 over positions mtp_valid .. start + m (the lagging
+// positions from the window, then the newly valid ones), D_1 from its output at start + m, then the chain.
+void eagle_chain(const DecodeWeights& W, int64_t mtp_layer, at::TensorList caches, const std::vector<int64_t>& run,
+                 const float* hidden, const int32_t* qs, const int64_t* st, const int32_t* nd,
+                 const std::vector<int64_t>& m, int64_t* o, int64_t ld, int64_t kmax, const Window& win,
+                 const int32_t* tables, int64_t max_blocks, int64_t page, const float* cos, const float* sin) {
+  const int64_t R = static_cast<int64_t>(run.size()), H = W.dims().H, V = W.dims().vocab;
+  const std::vector<at::Tensor> cache{caches[mtp_layer]};
+  const std::vector<int32_t> tab = tables_of(run, tables, max_blocks);
+  std::vector<int64_t> first(R), len1(R), tok1;
+  std::vector<float> h1;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t b = run[r];
+    first[r] = win.mtp_valid[b];
+    win.tail(b, st[b] - first[r], H, tok1, h1);
+    for (int64_t i = 0; i <= m[b]; ++i) tok1.push_back(o[b * ld + 1 + i]);
+    h1.insert(h1.end(), hidden + qs[b] * H, hidden + (qs[b] + m[b] + 1) * H);
+    len1[r] = st[b] + m[b] + 1 - first[r];
+  }
+  const RowsAt fwd1(first, len1, tab.data(), max_blocks, page, cos, sin);
+  std::vector<float> g1(fwd1.batch.T * H);
+  forward_layers(W, mtp_layer, 1, tok1.data(), h1.data(), cache, fwd1.batch, false, g1.data());
+
+  // the draft chain: run rows (indices r) that want j more drafts
+  std::vector<int64_t> rows(R), prev(R);
+  std::vector<float> g(R * H), lg;
+  for (int64_t r = 0; r < R; ++r) {
+    std::copy_n(&g1[(fwd1.qstart[r + 1] - 1) * H], H, &g[r * H]);     // g at q = start + m
+    rows[r] = r;
+  }
+  for (int64_t j = 0; !rows.empty(); ++j) {
+    const int64_t n = static_cast<int64_t>(rows.size());
+    std::vector<float> gx(n * H);
+    for (int64_t a = 0; a < n; ++a) std::copy_n(&g[rows[a] * H], H, &gx[a * H]);
+    lg.resize(n * V);
+    lm_head(W, gx.data(), n, lg.data());
+    std::vector<int64_t> next;
+    for (int64_t a = 0; a < n; ++a) {
+      const int64_t r = rows[a], dj = argmax_row(&lg[a * V], V);
+      o[run[r] * ld + 1 + (kmax + 1) + j] = dj;
+      prev[r] = dj;
+      if (j + 1 < nd[run[r]]) next.push_back(r);
+    }
+    if (next.empty()) break;
+    // D_{j+2} needs MTP(D_{j+1}, g) at start + m + j + 1
+    const int64_t nn = static_cast<int64_t>(next.size());
+    std::vector<int64_t> f(nn), l1(nn, 1), idn(nn), nb(nn);
+    std::vector<float> hn(nn * H), gn(nn * H);
+    for (int64_t a = 0; a < nn; ++a) {
+      const int64_t r = next[a], b = run[r];
+      f[a] = st[b] + m[b] + j + 1;
+      idn[a] = prev[r];
+      nb[a] = b;
+      std::copy_n(&g[r * H], H, &hn[a * H]);
+    }
+    const std::vector<int32_t> tn = tables_of(nb, tables, max_blocks);
+    const RowsAt chain(f, l1, tn.data(), max_blocks, page, cos, sin);
+    forward_layers(W, mtp_layer, 1, idn.data(), hn.data(), cache, chain.batch, false, gn.data());
+    for (int64_t a = 0; a < nn; ++a) std::copy_n(&gn[a * H], H, &g[next[a] * H]);
+    rows = next;
+  }
+}
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> mtp_step_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids,
-                        const at::Tensor& query_start, const at::Tensor& start, const at::Tensor& block_tables,
-                        const at::Tensor& num_drafts, at::TensorList caches, const at::Tensor& rope_cos,
-                        const at::Tensor& rope_sin, int64_t mtp_layer) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
+    const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids, const at::Tensor& query_start,
+    const at::Tensor& start, const at::Tensor& block_tables, const at::Tensor& num_drafts, at::TensorList caches,
+    const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t mtp_layer, int64_t num_modules,
+    const std::optional<at::Tensor>& window_ids, const std::optional<at::Tensor>& window_hidden,
+    const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid) {
   const DecodeWeights& W = *weights;
   const DecodeDims& d = W.dims();
   const int64_t L = d.num_main, H = d.H, V = d.vocab;
@@ -87,14 +249,19 @@ std::tuple<at::Tensor, at::Tensor> mtp_step_cpu(const c10::intrusive_ptr<DecodeW
   TORCH_CHECK(query_start.numel() == B + 1 && start.numel() == B && num_drafts.numel() == B,
               "mtp_step: query_start [B+1], start [B], num_drafts [B]");
   const bool drafting = mtp_layer >= 0;   // -1: no MTP (nextn = 0): the target step and its verification only
-  TORCH_CHECK(!drafting || (mtp_layer >= L && mtp_layer < W.num_layers() && W.layers()[mtp_layer].eh_proj.defined() &&
-                            static_cast<int64_t>(caches.size()) > mtp_layer),
-              "mtp_step: mtp_layer must be an MTP module with a cache, or -1");
+  const bool vanilla = drafting && num_modules > 1;   // modules mtp_layer .. mtp_layer + num_modules - 1
+  TORCH_CHECK(num_modules >= 1, "mtp_step: num_modules must be >= 1");
+  for (int64_t k = 0; drafting && k < num_modules; ++k)
+    TORCH_CHECK(mtp_layer >= L && mtp_layer + k < W.num_layers() && W.layers()[mtp_layer + k].eh_proj.defined() &&
+                    static_cast<int64_t>(caches.size()) > mtp_layer + k,
+                "mtp_step: mtp_layer .. mtp_layer + num_modules - 1 must be MTP modules with caches, or mtp_layer -1");
   TORCH_CHECK(static_cast<int64_t>(caches.size()) >= L, "mtp_step: a cache per main layer is needed");
   TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_cos.is_contiguous() && rope_sin.is_contiguous() &&
                   rope_cos.dim() == 2 && rope_cos.size(1) * 2 == d.P && rope_sin.sizes() == rope_cos.sizes(),
               "mtp_step: rope tables must be contiguous float32 [max_pos, rope/2]");
-  for (int64_t l : {int64_t{0}, drafting ? mtp_layer : int64_t{0}}) {
+  std::vector<int64_t> checked{0};       // main layer 0 and every MTP module this step runs, alike
+  for (int64_t k = 0; drafting && k < num_modules; ++k) checked.push_back(mtp_layer + k);
+  for (int64_t l : checked) {
     const at::Tensor& c = caches[l];
     TORCH_CHECK(c.dim() == 3 && c.size(2) == d.R + d.P && c.is_contiguous() &&
                     (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16 ||
@@ -118,10 +285,15 @@ std::tuple<at::Tensor, at::Tensor> mtp_step_cpu(const c10::intrusive_ptr<DecodeW
     const int64_t nq = qs[b + 1] - qs[b];
     TORCH_CHECK(nq >= 1 && nd[b] >= 0 && st[b] >= 0 && (drafting || nd[b] == 0), "mtp_step: row ", b, " feeds ", nq,
                 " tokens, wants ", nd[b], " drafts");
+    TORCH_CHECK(!vanilla || nd[b] <= num_modules, "mtp_step: row ", b, " wants ", nd[b], " drafts from ",
+                num_modules, " MTP Vanilla modules");
     kmax = std::max(kmax, nq - 1);
     dmax = std::max<int64_t>(dmax, nd[b]);
-    // every position this step writes (target, forward 1, the chain) must be a cache slot of the row's table
-    const int64_t last = st[b] + std::max<int64_t>(nq - 1, nq - 1 + std::max<int64_t>(nd[b] - 1, 0));
+    // every position this step writes (target, forward 1 or the windows, the chain) must be a cache slot of the
+    // row's table: Eagle's chain ends at start + m + nd - 1, Vanilla's (module k: min(k, nd) drafts past the valid
+    // length) at start + m + min(K - 1, nd)
+    const int64_t chain = vanilla ? std::min<int64_t>(num_modules - 1, nd[b]) : std::max<int64_t>(nd[b] - 1, 0);
+    const int64_t last = st[b] + nq - 1 + chain;
     TORCH_CHECK(last < rope_cos.size(0) && (last / page) < max_blocks, "mtp_step: row ", b, " reaches position ",
                 last, " beyond its block table or the rope table");
     for (int64_t i = 0; i <= last / page; ++i) {
@@ -132,8 +304,45 @@ std::tuple<at::Tensor, at::Tensor> mtp_step_cpu(const c10::intrusive_ptr<DecodeW
     for (int64_t t = qs[b]; t < qs[b + 1]; ++t)
       TORCH_CHECK(tok[t] >= 0 && tok[t] < V, "mtp_step: token id ", tok[t], " outside the vocabulary");
   }
+  // the rows' windows: window_len[b] stored positions before start (token x_{q+1}, main hidden h_q) for the rows
+  // that draft: at least the lagging ones (mtp_valid .. start - 1) and, for Vanilla, min(K - 1, start) (its
+  // window reaches up to K - 1 positions back). Absent: no row lags.
+  Window win;
+  win.off.assign(B + 1, 0);
+  win.mtp_valid.assign(st, st + B);
+  if (drafting && (window_len || window_ids || window_hidden || mtp_valid)) {
+    TORCH_CHECK(window_ids && window_hidden && window_len && mtp_valid,
+                "mtp_step: window_ids, window_hidden, window_len and mtp_valid go together");
+    const at::Tensor &wi = *window_ids, &wh = *window_hidden, &wl = *window_len, &mv = *mtp_valid;
+    TORCH_CHECK(wl.scalar_type() == at::kInt && wl.is_contiguous() && wl.numel() == B &&
+                    mv.scalar_type() == at::kLong && mv.is_contiguous() && mv.numel() == B &&
+                    wi.scalar_type() == at::kLong && wi.is_contiguous() && wi.dim() == 1 &&
+                    wh.scalar_type() == at::kFloat && wh.is_contiguous() && wh.dim() == 2 && wh.size(1) == H &&
+                    wh.size(0) == wi.numel(),
+                "mtp_step: window_len int32 [B], mtp_valid int64 [B], window_ids int64 [W], window_hidden float32 "
+                "[W, hidden]");
+    const int32_t* w = wl.data_ptr<int32_t>();
+    const int64_t* v = mv.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t need = nd[b] == 0 ? 0 : std::max<int64_t>(st[b] - v[b], vanilla ? std::min(num_modules - 1, st[b]) : 0);
+      TORCH_CHECK(v[b] >= 0 && v[b] <= st[b] && w[b] >= need && w[b] <= st[b], "mtp_step: row ", b,
+                  " brings a window of ", w[b], " positions before position ", st[b], " (MTP caches valid up to ",
+                  v[b], ")");
+      win.off[b + 1] = win.off[b] + w[b];
+      win.mtp_valid[b] = v[b];
+    }
+    TORCH_CHECK(win.off[B] == wi.numel(), "mtp_step: window_ids holds ", wi.numel(), " tokens, window_len sums to ",
+                win.off[B]);
+    win.ids = wi.data_ptr<int64_t>();
+    win.hidden = wh.data_ptr<float>();
+    for (int64_t i = 0; i < win.off[B]; ++i)
+      TORCH_CHECK(win.ids[i] >= 0 && win.ids[i] < V, "mtp_step: window token id ", win.ids[i],
+                  " outside the vocabulary");
+  } else {
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(!vanilla || nd[b] == 0 || st[b] == 0, "mtp_step: MTP Vanilla needs the rows' windows");
+  }
   const std::vector<at::Tensor> main_caches(caches.begin(), caches.begin() + L);
-  const std::vector<at::Tensor> mtp_cache{caches[drafting ? mtp_layer : 0]};
   const float* cos = rope_cos.data_ptr<float>();
   const float* sin = rope_sin.data_ptr<float>();
 
@@ -151,7 +360,7 @@ std::tuple<at::Tensor, at::Tensor> mtp_step_cpu(const c10::intrusive_ptr<DecodeW
   at::Tensor out = at::full({B, 1 + (kmax + 1) + dmax}, -1, ids.options());
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t ld = out.size(1);
-  std::vector<int64_t> m(B), emitted, h_rows;
+  std::vector<int64_t> m(B), run;
   for (int64_t b = 0; b < B; ++b) {
     int64_t a = 0;
     while (a < len[b] - 1 && tok[qs[b] + 1 + a] == argmax_row(&logits[(qs[b] + a) * V], V)) ++a;
@@ -160,61 +369,17 @@ std::tuple<at::Tensor, at::Tensor> mtp_step_cpu(const c10::intrusive_ptr<DecodeW
     o[b * ld] = a + 1;
     for (int64_t i = 0; i < a; ++i) o[b * ld + 1 + i] = tok[qs[b] + 1 + i];
     o[b * ld + 1 + a] = bonus;
-    for (int64_t i = 0; i <= a; ++i) {     // forward 1's inputs: (x_{q+1}, h_q) for q = start .. start+m
-      emitted.push_back(o[b * ld + 1 + i]);
-      h_rows.push_back(qs[b] + i);
-    }
+    if (nd[b] > 0) run.push_back(b);     // 3. the MTP forwards, for the rows that want drafts
   }
-  if (!drafting) return {out, hidden_t};
-  // 3. Eagle forward 1 over the newly valid positions of every row (also for rows that want no drafts: their
-  // MTP caches stay up to date, so nothing lags)
-  std::vector<int64_t> len1(B);
-  for (int64_t b = 0; b < B; ++b) len1[b] = m[b] + 1;
-  const RowsAt fwd1(first, len1, tables, max_blocks, page, cos, sin);
-  const int64_t T1 = fwd1.batch.T;
-  std::vector<float> h1(T1 * H), g1(T1 * H);
-  for (int64_t i = 0; i < T1; ++i) std::copy_n(hidden + h_rows[i] * H, H, &h1[i * H]);
-  forward_layers(W, mtp_layer, 1, emitted.data(), h1.data(), mtp_cache, fwd1.batch, false, g1.data());
-
-  // 4. the draft chain: rows that want j more drafts
-  std::vector<int64_t> rows, prev(B);
-  std::vector<float> g(B * H), lg;
-  for (int64_t b = 0, off = 0; b < B; off += len1[b], ++b) {
-    std::copy_n(&g1[(off + m[b]) * H], H, &g[b * H]);     // g at q = start + m
-    if (nd[b] > 0) rows.push_back(b);
-  }
-  for (int64_t j = 0; !rows.empty(); ++j) {
-    const int64_t n = static_cast<int64_t>(rows.size());
-    std::vector<float> gx(n * H);
-    for (int64_t r = 0; r < n; ++r) std::copy_n(&g[rows[r] * H], H, &gx[r * H]);
-    lg.resize(n * V);
-    lm_head(W, gx.data(), n, lg.data());
-    std::vector<int64_t> next;
-    for (int64_t r = 0; r < n; ++r) {
-      const int64_t b = rows[r], dj = argmax_row(&lg[r * V], V);
-      o[b * ld + 1 + (kmax + 1) + j] = dj;
-      prev[b] = dj;
-      if (j + 1 < nd[b]) next.push_back(b);
-    }
-    if (next.empty()) break;
-    // D_{j+2} needs MTP(D_{j+1}, g) at start + m + j + 1
-    const int64_t nn = static_cast<int64_t>(next.size());
-    std::vector<int64_t> f(nn), l1(nn, 1), idn(nn);
-    std::vector<int32_t> tab(nn * max_blocks);
-    std::vector<float> hn(nn * H), gn(nn * H);
-    for (int64_t r = 0; r < nn; ++r) {
-      const int64_t b = next[r];
-      f[r] = st[b] + m[b] + j + 1;
-      idn[r] = prev[b];
-      std::copy_n(tables + b * max_blocks, max_blocks, &tab[r * max_blocks]);
-      std::copy_n(&g[b * H], H, &hn[r * H]);
-    }
-    const RowsAt chain(f, l1, tab.data(), max_blocks, page, cos, sin);
-    forward_layers(W, mtp_layer, 1, idn.data(), hn.data(), mtp_cache, chain.batch, false, gn.data());
-    for (int64_t r = 0; r < nn; ++r) std::copy_n(&gn[r * H], H, &g[next[r] * H]);
-    rows = next;
-  }
-  return {out, hidden_t};
+  at::Tensor window = at::empty({0}, hidden_t.options());
+  if (run.empty()) return {out, hidden_t, window};
+  if (vanilla)
+    window = vanilla_chain(W, mtp_layer, num_modules, caches, run, hidden, qs, st, nd, m, o, ld, kmax, win, tables,
+                           max_blocks, page, cos, sin);
+  else
+    eagle_chain(W, mtp_layer, caches, run, hidden, qs, st, nd, m, o, ld, kmax, win, tables, max_blocks, page, cos,
+                sin);
+  return {out, hidden_t, window};
 }
 
 }  // namespace mtp_core

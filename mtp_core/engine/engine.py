@@ -91,12 +91,12 @@ class Engine:
         self.graphs = self._make_graphs() if cfg.cuda_graph_config is not None else None
         self.overlap = (not cfg.disable_overlap_scheduler and self.drafter is not None
                         and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
-        # on a CPU with the native forward: the whole Eagle decode step in one native call where the batch allows
+        # on a CPU with the native forward: the whole decode step in one native call where the batch allows
         use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
         self.native_step = (NativeStep(model, self.caches, self.K, self.relaxed,
                                        fixed_counts=self.policy.policy == "fixed",
-                                       drafts_inside=not self.K or (mode == "eagle"
-                                                                    and not spec.draft_confidence_threshold))
+                                       drafts_inside=not self.K or not spec.draft_confidence_threshold,
+                                       vanilla=mode == "vanilla")
                             if use_native_step and self.graphs is None and not self.overlap and drafter is None
                             and model.native is not None else None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
@@ -206,11 +206,9 @@ class Engine:
                 # graph) or one native call (CPU)
                 tokens, drafts = static.run(rows)
                 result = VerifyResult(tokens)
-                inputs = self._commit(rows, result, None)
+                inputs = self._commit(rows, result, None)   # run() brought the rows' MTP state up to date
                 c1 = self.policy.clock()
-                for i in inputs:
-                    i.seq.mtp_valid = i.seq.num_cached
-                self._choose_drafts(inputs)      # the static step drafted K for every row; cut to the counts
+                self._choose_drafts(inputs)      # the step drafted its count for every row; cut to the choices
                 drafts_of = {id(r.seq): d for r, d in zip(rows, drafts)}
                 self._store_drafts(inputs, [drafts_of[id(i.seq)][:i.max_drafts] for i in inputs], rewind=True)
                 fused.num_replays += 1

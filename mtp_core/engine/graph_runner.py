@@ -183,6 +183,8 @@ class StaticDecodeStep:
                 self.forward()
         K = self.K
         out = torch.cat([self.emitted, self.num_emitted[:, None], self.drafts], dim=1)[: len(rows)].cpu().tolist()
+        for r, row in zip(rows, out):
+            r.seq.mtp_valid = r.start + row[K + 1]       # every row's MTP caches cover its new valid positions
         return [row[: row[K + 1]] for row in out], [row[K + 2:] for row in out]
 
 

@@ -1,19 +1,22 @@
 """The decode step as one native call on the CPU (mtp_core::mtp_step, csrc/cpu/mtp_step_cpu.cpp): MTP Eagle,
-or the plain greedy step of an engine without MTP.
+MTP Vanilla, or the plain greedy step of an engine without MTP.
 
 The CPU twin of the static (CUDA-graph) step (graph_runner.py), with the same contract and the same engine
 hook: `step_for(rows)` says whether this batch can take it, `run(rows)` returns (emitted tokens per row,
-next drafts per row). Inside the one call: the target forward over every row's [t, d_1..d_k], greedy strict
-verification, Eagle forward 1 over the accepted tokens and the chain of drafts, each forward the
-batch-invariant native forward; so the tokens are exactly the eager engine's, and Python does O(1) work
-per step instead of a forward, a logits call and a metadata build per draft.
+next drafts per row) and brings the rows' MTP state up to date. Inside the one call: the target forward over
+every row's [t, d_1..d_k], greedy strict verification, then for the rows that draft the MTP forwards (Eagle's
+forward 1 and chain, or Vanilla's K modules over the row's window), each forward the batch-invariant native
+forward; so the tokens are exactly the eager engine's, and Python does O(1) work per step instead of a
+forward, a logits call and a metadata build per draft.
 
-Rows may carry different numbers of drafts (adaptive draft length). Out of scope (the step runs through the
-general path): prefill rows, sampled rows, relaxed acceptance in the thinking phase, MTP Vanilla, rows whose
-MTP caches lag, injected drafters and the overlap scheduler. Forward 1 runs for every row, also those that
-want no drafts, so the native step never leaves an MTP cache behind. When only the drafting is out of scope
-(MTP Vanilla, lagging rows), `target()` still runs the target forward and the verification in one call and
-hands the hidden states to the general path's drafter.
+Rows may carry different numbers of drafts (adaptive draft length). A row the policy gives 0 drafts runs no
+MTP forward: its MTP caches lag and its hidden states wait in seq.mtp_pending (speculative/adaptive.py), as
+on the general path, so a step in which no row drafts costs what decoding without MTP costs. A lagging row
+that drafts again catches up inside the call (its pending states go in as its window). Out of scope (the
+step runs through the general path): prefill rows, sampled rows, relaxed acceptance in the thinking phase,
+the confidence gate, injected drafters and the overlap scheduler. When only the drafting is out of scope
+(the confidence gate), `target()` still runs the target forward and the verification in one call and hands
+the hidden states to the general path's drafter.
 """
 from __future__ import annotations
 
@@ -23,26 +26,32 @@ import torch
 
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import DeepseekV3ForCausalLM
+from mtp_core.speculative.adaptive import MAX_MTP_LAG
 
 
 class NativeStep:
     def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int,
-                 relaxed: Optional[tuple[int, float]], fixed_counts: bool, drafts_inside: bool) -> None:
+                 relaxed: Optional[tuple[int, float]], fixed_counts: bool, drafts_inside: bool,
+                 vanilla: bool = False) -> None:
         self.caches, self.K = caches, K
         self.native = model.native
-        self.mtp_layer = model.num_main_layers if K else -1  # Eagle: module 0; -1: no drafting (nextn = 0)
+        self.hidden_size = model.config.hidden_size
+        self.mtp_layer = model.num_main_layers if K else -1  # the first MTP module; -1: no drafting (nextn = 0)
+        self.vanilla = vanilla and K > 1                     # modules 0..K-1, each over the row's window
         self.relaxed_on = relaxed is not None and relaxed[0] > 1 and relaxed[1] > 0
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
-        self.drafts_inside = drafts_inside                   # MTP Eagle without a confidence gate: run() drafts
+        self.drafts_inside = drafts_inside                   # no confidence gate: run() drafts
         self.num_replays = 0                                 # steps run whole by run()
         self.num_targets = 0                                 # steps whose target + verification ran in target()
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
-        """self when every row is a greedy strict decode row whose MTP caches are up to date, else None."""
+        """self when every row is a greedy strict decode row and every row that drafts has the stored states its
+        MTP forwards re-read (lagging positions; Vanilla's window), else None."""
         if not self.drafts_inside or not self.can_verify(rows):
             return None
-        if self.K and any(r.seq.spec_off or r.seq.mtp_valid != r.start for r in rows):
-            return None
+        for r in rows:
+            if self._limit(r) and self._window_len(r) > self._stored(r.seq):
+                return None
         return self
 
     def can_verify(self, rows: list[ScheduledRow]) -> bool:
@@ -54,7 +63,7 @@ class NativeStep:
     def target(self, rows: list[ScheduledRow]) -> tuple[list[list[int]], list[torch.Tensor]]:
         """The general step's runner.execute + verify in one call, for can_verify(rows): (emitted tokens per row,
         the target's hidden states per row [n_row, H]), which the engine commits and drafts from as usual."""
-        out, hidden = self._call(rows, [0] * len(rows), -1)
+        out, hidden, _ = self._call(rows, [0] * len(rows), -1)
         self.num_targets += 1
         tokens = [row[1:1 + row[0]] for row in out]
         return tokens, list(hidden.split([len(r.token_ids) for r in rows]))
@@ -65,14 +74,83 @@ class NativeStep:
         # drafts are exactly the eager drafter's); under the cost policy the count it chose for the row last
         # (it changes counts rarely; a row it raises gets its new count one step late), so that a step whose
         # rows draft less does not compute the chain it would throw away
-        limits = [self.K if self.fixed_counts else min(self.K, max(0, r.seq.draft_len)) for r in rows]
-        out, _ = self._call(rows, limits, self.mtp_layer)
+        limits = [self._limit(r) for r in rows]
+        out, hidden, windows = self._call(rows, limits, self.mtp_layer)
         kmax = max(len(r.token_ids) for r in rows) - 1
         tokens = [row[1:1 + row[0]] for row in out]
         drafts = [row[2 + kmax: 2 + kmax + n] for row, n in zip(out, limits)]
+        self._settle(rows, limits, out, hidden, windows)
         return tokens, drafts
 
-    def _call(self, rows: list[ScheduledRow], limits: list[int], mtp_layer: int) -> tuple[list[list[int]], torch.Tensor]:
+    # ---- the rows' MTP state ---------------------------------------------------------------
+    def _limit(self, r: ScheduledRow) -> int:
+        if not self.K or r.seq.spec_off:
+            return 0
+        return self.K if self.fixed_counts else min(self.K, max(0, r.seq.draft_len))
+
+    def _window_len(self, r: ScheduledRow) -> int:
+        """Stored positions before r.start the row's MTP forwards re-read: the lagging ones, and for Vanilla at
+        least min(K - 1, start) (module 1's window reaches that far back)."""
+        lag = r.start - r.seq.mtp_valid
+        return max(lag, min(self.K - 1, r.start)) if self.vanilla else lag
+
+    def _stored(self, seq) -> int:
+        """Positions before seq's valid length whose main hidden states the engine keeps (window, pending)."""
+        n = sum(len(h) for h in seq.mtp_pending) if seq.mtp_pending else 0
+        if self.vanilla and seq.window_hidden is not None:
+            n += len(seq.window_hidden)
+        return n
+
+    def _windows(self, rows: list[ScheduledRow], limits: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stored positions each drafting row's MTP forwards re-read, as the op takes them: their count, their
+        tokens x_{q+1} and main hidden states (the last ones of the Vanilla window and the pending states), and
+        each row's mtp_valid."""
+        lens, ids, hid = [], [], []
+        for r, n in zip(rows, limits):
+            seq = r.seq
+            w = self._window_len(r) if n else 0
+            lens.append(w)
+            if not w:
+                continue
+            ids.extend(seq.all_ids[r.start - w + 1: r.start + 1])
+            parts = ([seq.window_hidden] if self.vanilla and seq.window_hidden is not None else []) + \
+                (seq.mtp_pending or [])
+            states = torch.cat(parts) if len(parts) > 1 else parts[0]
+            hid.append(states[len(states) - w:])
+        hidden = (torch.cat(hid) if len(hid) > 1 else hid[0]).float().contiguous() if hid else \
+            torch.empty(0, self.hidden_size)
+        return (torch.tensor(ids, dtype=torch.long), hidden, torch.tensor(lens, dtype=torch.int32),
+                torch.tensor([r.seq.mtp_valid for r in rows], dtype=torch.long))
+
+    def _settle(self, rows: list[ScheduledRow], limits: list[int], out: list[list[int]], hidden: torch.Tensor,
+                windows: torch.Tensor) -> None:
+        """After run(): rows that drafted have MTP caches up to their new valid length (Vanilla: and a new window);
+        the others lag, keeping their new positions' hidden states (copies unless every row fed one token: a view
+        would keep the whole step's states alive)."""
+        if not self.K:
+            return
+        lens = [len(r.token_ids) for r in rows]
+        per_row = hidden.split(lens) if len(rows) > 1 else [hidden]
+        views_ok = max(lens) == 1
+        K = self.K
+        for b, (r, row, n) in enumerate(zip(rows, out, limits)):
+            seq, valid = r.seq, r.start + row[0]
+            if n:
+                if self.vanilla:      # the main hidden states of its last min(K, window) valid positions
+                    kept = min(K, valid - max(min(valid - K, seq.mtp_valid), 0))
+                    seq.window_hidden = windows[b, K - kept:]
+                seq.mtp_valid, seq.mtp_pending = valid, None
+            elif not seq.spec_off:
+                h = per_row[b][:row[0]]
+                if seq.mtp_pending is None:
+                    seq.mtp_pending = []
+                seq.mtp_pending.append(h if views_ok else h.clone())
+                if valid - seq.mtp_valid > MAX_MTP_LAG:
+                    seq.spec_off, seq.mtp_pending = True, None    # bounded memory: no more drafting
+
+    def _call(self, rows: list[ScheduledRow], limits: list[int], mtp_layer: int
+              ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
         ids = [t for r in rows for t in r.token_ids]
         qs = [0]
         for r in rows:
@@ -80,12 +158,17 @@ class NativeStep:
         width = max(len(r.seq.block_table) for r in rows)
         tables = torch.tensor([r.seq.block_table + [-1] * (width - len(r.seq.block_table)) for r in rows],
                               dtype=torch.int32)
-        ends = [r.start + len(r.token_ids) + max(n - 1, 0) for r, n in zip(rows, limits)]
+        vanilla = self.vanilla and mtp_layer >= 0
+        chain = [min(self.K - 1, n) if vanilla else max(n - 1, 0) for n in limits]
+        ends = [r.start + len(r.token_ids) + c for r, c in zip(rows, chain)]
         nd = self.native
         if max(ends) > nd.rope_len:
             nd.grow_rope(max(ends) + 256)
-        out, hidden = torch.ops.mtp_core.mtp_step(
+        drafting = mtp_layer >= 0 and any(limits)
+        window = self._windows(rows, limits) if drafting and (vanilla or any(
+            r.seq.mtp_valid != r.start for r, n in zip(rows, limits) if n)) else (None, None, None, None)
+        out, hidden, windows = torch.ops.mtp_core.mtp_step(
             nd.handle, torch.tensor(ids, dtype=torch.long), torch.tensor(qs, dtype=torch.int32),
             torch.tensor([r.start for r in rows], dtype=torch.long), tables, torch.tensor(limits, dtype=torch.int32),
-            self.caches, nd.rope_cos, nd.rope_sin, mtp_layer)
-        return out.tolist(), hidden
+            self.caches, nd.rope_cos, nd.rope_sin, mtp_layer, self.K if vanilla else 1, *window)
+        return out.tolist(), hidden, windows

@@ -33,8 +33,7 @@ class Sequence:
     num_prefilled: int = 0       # how far the current prefill (prompt + recomputed output) has come
     drafts: list[int] = field(default_factory=list)   # drafts proposed for the next step
     in_thinking: bool = False    # relaxed acceptance applies only while True
-    window_tokens: list[int] = field(default_factory=list)   # Vanilla: last K positions' tokens
-    window_hidden: Optional[torch.Tensor] = None              # Vanilla: their main hidden states [<=K, H]
+    window_hidden: Optional[torch.Tensor] = None   # Vanilla: the last K valid positions' main hidden [<=K, H]
     stats: SpecStats = field(default_factory=SpecStats)
     # adaptive draft length (mtp_core/speculative/adaptive.py)
     mtp_valid: int = 0           # positions 0..mtp_valid-1 hold valid MTP-cache entries (<= num_cached)
@@ -73,7 +72,6 @@ class Sequence:
         self.num_prefilled = start
         self.num_cached = start
         self.drafts = []
-        self.window_tokens = []
         self.window_hidden = None
         self.mtp_valid = start          # a reused prefix brings its MTP-cache entries too
         self.mtp_pending = None

@@ -184,8 +184,5 @@ class VanillaDrafter:
                 chain_tok[i].append(tok)
                 chain_hid[i].append(h)
         for r, (s, toks, hid) in zip(rows, base):
-            V = r.start + len(r.next_tokens)
-            K = self.num_draft_tokens
-            r.seq.window_tokens = r.seq.all_ids[max(V - K, 0):V]
-            r.seq.window_hidden = hid[-K:].clone()
+            r.seq.window_hidden = hid[-self.num_draft_tokens:].clone()
         return drafts
