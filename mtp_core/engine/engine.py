@@ -273,8 +273,9 @@ class Engine:
         return [r.seq for r in rows]
 
     def _prepare(self) -> tuple[list[ScheduledRow], Optional[AttentionMetadata]]:
-        rows = self.scheduler.schedule()
-        return rows, (self.runner.prepare(rows) if rows else None)
+        """The step's rows; their attention metadata is built by the general path when it runs (a native or
+        static step needs none)."""
+        return self.scheduler.schedule(), None
 
     def _prepare_ahead(self) -> Optional[tuple[list[ScheduledRow], Optional[AttentionMetadata]]]:
         """The overlap worker's schedule: never preempts a sequence that is being drafted right now (the
