@@ -167,7 +167,7 @@ class NativeStep:
         drafting = mtp_layer >= 0 and any(limits)
         window = self._windows(rows, limits) if drafting and (vanilla or any(
             r.seq.mtp_valid != r.start for r, n in zip(rows, limits) if n)) else (None, None, None, None)
-        out, hidden, windows = torch.ops.mtp_core.mtp_step(
+        out, hidden, windows = nd.step_op(
             nd.handle, torch.tensor(ids, dtype=torch.long), torch.tensor(qs, dtype=torch.int32),
             torch.tensor([r.start for r in rows], dtype=torch.long), tables, torch.tensor(limits, dtype=torch.int32),
             self.caches, nd.rope_cos, nd.rope_sin, mtp_layer, self.K if vanilla else 1, *window)
