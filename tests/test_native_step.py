@@ -72,14 +72,26 @@ def test_relaxed_thinking_and_sampled_take_the_general_path(models) -> None:
     _, eng = engines(model, nextn=2, mode="eagle", max_batch_size=2)
     run_to_end(eng, PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.8, seed=3))
     assert eng.native_step.num_replays == 0
-    outs = []
-    spec = dict(draft_confidence_threshold=1e-3)
-    for eng in engines(models["tiny3"], nextn=2, mode="vanilla", max_batch_size=2, spec=spec):
-        outs.append([s.output_ids for s in run_to_end(eng, PROMPTS[:3], greedy(MAX_TOKENS))])
-        stats = (eng.stats.num_draft_proposed, eng.stats.num_draft_accepted)
-    # the confidence gate drafts in Python; the target forward and verification still take one native call
-    assert not eng.native_step.drafts_inside and eng.native_step.num_replays == 0 and eng.native_step.num_targets > 0
-    assert outs[0] == outs[1] == [reference(models["tiny3"], p, MAX_TOKENS) for p in PROMPTS[:3]] and stats[1] > 0
+
+
+@pytest.mark.parametrize("mode,K", [("eagle", 3), ("vanilla", 3)])
+def test_native_step_with_the_confidence_gate_drafts_as_eager(models, mode, K) -> None:
+    """The confidence gate inside the call: each chain stops where the eager drafter's stops (the same drafts
+    every step, ragged across rows), and the output is plain greedy."""
+    from test_adaptive import confident
+
+    model = confident(models["tiny3"])
+    prompts = PROMPTS[:6]
+    drafts, stats = [], []
+    for eng in engines(model, nextn=K, mode=mode, max_batch_size=4, spec=dict(draft_confidence_threshold=0.3)):
+        drafts.append(drafts_per_step(eng))
+        seqs = run_to_end(eng, prompts, greedy(MAX_TOKENS))
+        assert [s.output_ids for s in seqs] == [reference(model, p, MAX_TOKENS) for p in prompts]
+        stats.append((eng.stats.num_draft_proposed, eng.stats.num_draft_accepted))
+    assert eng.native_step.num_replays > 0 and drafts[0] == drafts[1] and stats[0] == stats[1]
+    lengths = {len(d) for step in drafts[1] for d in step}
+    assert len(lengths) > 1 and 0 < stats[1][0] < K * sum(len(step) for step in drafts[1]), \
+        f"the gate never stopped a chain (draft lengths {lengths})"
 
 
 def test_native_step_refuses_bad_tables(models) -> None:

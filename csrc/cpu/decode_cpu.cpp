@@ -660,14 +660,15 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
   // the positions from mtp_valid[b] and the chained drafts) or Vanilla (num_modules K: module k over the row's
   // window and its first drafts); the stored positions these re-read come in as window_len / window_ids /
   // window_hidden -> ([B, 1 + (kmax + 1) + dmax] int64: (n, emitted tokens, next drafts), -1 padded; the
-  // target's hidden [T, H] float32; Vanilla's new windows [B, K, H] float32, else empty). Writes the main and
+  // target's hidden [T, H] float32; Vanilla's new windows [B, K, H] float32, else empty); confidence > 0: the
+  // confidence gate stops a row's drafts early (drafter.py). Writes the main and
   // the MTP modules' KV in `caches` (all layers, indexed as model.layers); mtp_layer -1: no drafting (the
   // target step and its verification only).
   m.def(
       "mtp_step(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor ids, Tensor query_start, "
       "Tensor start, Tensor block_tables, Tensor num_drafts, Tensor(a!)[] caches, Tensor rope_cos, "
       "Tensor rope_sin, int mtp_layer, int num_modules=1, Tensor? window_ids=None, Tensor? window_hidden=None, "
-      "Tensor? window_len=None, Tensor? mtp_valid=None) -> (Tensor, Tensor, Tensor)");
+      "Tensor? window_len=None, Tensor? mtp_valid=None, float confidence=0.0) -> (Tensor, Tensor, Tensor)");
   m.impl("mtp_step", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mtp_step_cpu)));
   m.impl("decode_forward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_forward_cpu)));
   m.impl("decode_logits", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_logits_cpu)));

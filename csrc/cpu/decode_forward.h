@@ -43,6 +43,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
     const at::Tensor& start, const at::Tensor& block_tables, const at::Tensor& num_drafts, at::TensorList caches,
     const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t mtp_layer, int64_t num_modules,
     const std::optional<at::Tensor>& window_ids, const std::optional<at::Tensor>& window_hidden,
-    const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid);
+    const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid, double confidence);
 
 }  // namespace mtp_core

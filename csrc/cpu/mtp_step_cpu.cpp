@@ -17,6 +17,7 @@
 // drafter outside the call needs). Every forward is the batch-invariant native forward, so the tokens are the
 // eager engine's.
 #include <algorithm>
+#include <cmath>
 #include <optional>
 #include <vector>
 
@@ -97,6 +98,29 @@ struct Window {
   }
 };
 
+// The confidence gate (speculative_config.draft_confidence_threshold, drafter.py): a row's chain stops before
+// the first draft at which the running product of the drafts' probabilities under the MTP head (softmax of
+// its logits, no temperature) falls below the threshold. Off at threshold 0.
+struct Gate {
+  double threshold = 0.0;
+  std::vector<double> conf;     // per run row
+  std::vector<char> stopped;
+
+  Gate(double thr, int64_t rows) : threshold(thr), conf(rows, 1.0), stopped(rows, 0) {}
+
+  // row r's next draft has logits x [n]: true when it is taken
+  bool pass(int64_t r, const float* x, int64_t n) {
+    if (threshold <= 0.0) return true;
+    float mx = x[0];
+    for (int64_t i = 1; i < n; ++i) mx = std::max(mx, x[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum += std::exp(x[i] - mx);
+    conf[r] *= static_cast<double>(1.f / sum);      // the largest probability: exp(0) / sum
+    if (conf[r] < threshold) stopped[r] = 1;
+    return !stopped[r];
+  }
+};
+
 // MTP Vanilla after verification (drafter.py's VanillaDrafter, the same numbers), for the rows `run` (those
 // that want drafts): row b's window is positions s_b .. V_b - 1 with V_b = start + m + 1 and
 // s_b = max(min(V_b - K, mtp_valid), 0), fed as (x_{q+1}, main h_q); module k runs over the window plus the row's
@@ -108,8 +132,9 @@ at::Tensor vanilla_chain(const DecodeWeights& W, int64_t mtp_layer, int64_t K, a
                          const std::vector<int64_t>& run, const float* hidden, const int32_t* qs, const int64_t* st,
                          const int32_t* nd, const std::vector<int64_t>& m, int64_t* o, int64_t ld, int64_t kmax,
                          const Window& win, const int32_t* tables, int64_t max_blocks, int64_t page, const float* cos,
-                         const float* sin) {
+                         const float* sin, double confidence) {
   const int64_t B = static_cast<int64_t>(m.size()), R = static_cast<int64_t>(run.size());
+  Gate gate(confidence, R);
   const int64_t H = W.dims().H, V = W.dims().vocab;
   std::vector<int64_t> s(R), base(R);
   std::vector<std::vector<int64_t>> toks(R);    // per run row: the window's tokens, then its drafts
@@ -142,9 +167,9 @@ at::Tensor vanilla_chain(const DecodeWeights& W, int64_t mtp_layer, int64_t K, a
     std::vector<float> g(rows.batch.T * H);
     forward_layers(W, mtp_layer + k, 1, ids.data(), hin.data(), {caches[mtp_layer + k]}, rows.batch, false,
                    g.data());
-    std::vector<int64_t> active;                  // run rows (indices r) that take a draft from module k
+    std::vector<int64_t> active;                  // run rows (indices r) that may take a draft from module k
     for (int64_t r = 0; r < R; ++r)
-      if (k < nd[run[r]]) active.push_back(r);
+      if (k < nd[run[r]] && !gate.stopped[r]) active.push_back(r);
     if (active.empty()) continue;
     const int64_t n = static_cast<int64_t>(active.size());
     std::vector<float> last(n * H);
@@ -154,6 +179,7 @@ at::Tensor vanilla_chain(const DecodeWeights& W, int64_t mtp_layer, int64_t K, a
     lm_head(W, last.data(), n, lg.data());
     for (int64_t a = 0; a < n; ++a) {
       const int64_t r = active[a], dk = argmax_row(&lg[a * V], V);
+      if (!gate.pass(r, &lg[a * V], V)) continue;      // no draft from here on; the modules still run its window
       o[run[r] * ld + 1 + (kmax + 1) + k] = dk;
       if (k + 1 < K) {          // the next modules see this draft
         toks[r].push_back(dk);
@@ -169,8 +195,10 @@ at::Tensor vanilla_chain(const DecodeWeights& W, int64_t mtp_layer, int64_t K, a
 void eagle_chain(const DecodeWeights& W, int64_t mtp_layer, at::TensorList caches, const std::vector<int64_t>& run,
                  const float* hidden, const int32_t* qs, const int64_t* st, const int32_t* nd,
                  const std::vector<int64_t>& m, int64_t* o, int64_t ld, int64_t kmax, const Window& win,
-                 const int32_t* tables, int64_t max_blocks, int64_t page, const float* cos, const float* sin) {
+                 const int32_t* tables, int64_t max_blocks, int64_t page, const float* cos, const float* sin,
+                 double confidence) {
   const int64_t R = static_cast<int64_t>(run.size()), H = W.dims().H, V = W.dims().vocab;
+  Gate gate(confidence, R);
   const std::vector<at::Tensor> cache{caches[mtp_layer]};
   const std::vector<int32_t> tab = tables_of(run, tables, max_blocks);
   std::vector<int64_t> first(R), len1(R), tok1;
@@ -203,6 +231,7 @@ void eagle_chain(const DecodeWeights& W, int64_t mtp_layer, at::TensorList cache
     std::vector<int64_t> next;
     for (int64_t a = 0; a < n; ++a) {
       const int64_t r = rows[a], dj = argmax_row(&lg[a * V], V);
+      if (!gate.pass(r, &lg[a * V], V)) continue;      // the chain of row r stops here
       o[run[r] * ld + 1 + (kmax + 1) + j] = dj;
       prev[r] = dj;
       if (j + 1 < nd[run[r]]) next.push_back(r);
@@ -234,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
     const at::Tensor& start, const at::Tensor& block_tables, const at::Tensor& num_drafts, at::TensorList caches,
     const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t mtp_layer, int64_t num_modules,
     const std::optional<at::Tensor>& window_ids, const std::optional<at::Tensor>& window_hidden,
-    const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid) {
+    const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid, double confidence) {
   const DecodeWeights& W = *weights;
   const DecodeDims& d = W.dims();
   const int64_t L = d.num_main, H = d.H, V = d.vocab;
@@ -251,6 +280,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
   const bool drafting = mtp_layer >= 0;   // -1: no MTP (nextn = 0): the target step and its verification only
   const bool vanilla = drafting && num_modules > 1;   // modules mtp_layer .. mtp_layer + num_modules - 1
   TORCH_CHECK(num_modules >= 1, "mtp_step: num_modules must be >= 1");
+  TORCH_CHECK(confidence >= 0.0 && confidence < 1.0, "mtp_step: confidence must be in [0, 1)");
   for (int64_t k = 0; drafting && k < num_modules; ++k)
     TORCH_CHECK(mtp_layer >= L && mtp_layer + k < W.num_layers() && W.layers()[mtp_layer + k].eh_proj.defined() &&
                     static_cast<int64_t>(caches.size()) > mtp_layer + k,
@@ -375,10 +405,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
   if (run.empty()) return {out, hidden_t, window};
   if (vanilla)
     window = vanilla_chain(W, mtp_layer, num_modules, caches, run, hidden, qs, st, nd, m, o, ld, kmax, win, tables,
-                           max_blocks, page, cos, sin);
+                           max_blocks, page, cos, sin, confidence);
   else
     eagle_chain(W, mtp_layer, caches, run, hidden, qs, st, nd, m, o, ld, kmax, win, tables, max_blocks, page, cos,
-                sin);
+                sin, confidence);
   return {out, hidden_t, window};
 }
 

@@ -94,9 +94,8 @@ class Engine:
         # on a CPU with the native forward: the whole decode step in one native call where the batch allows
         use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
         self.native_step = (NativeStep(model, self.caches, self.K, self.relaxed,
-                                       fixed_counts=self.policy.policy == "fixed",
-                                       drafts_inside=not self.K or not spec.draft_confidence_threshold,
-                                       vanilla=mode == "vanilla")
+                                       fixed_counts=self.policy.policy == "fixed", vanilla=mode == "vanilla",
+                                       confidence=spec.draft_confidence_threshold if spec else 0.0)
                             if use_native_step and self.graphs is None and not self.overlap and drafter is None
                             and model.native is not None else None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None

@@ -9,14 +9,14 @@ forward 1 and chain, or Vanilla's K modules over the row's window), each forward
 forward; so the tokens are exactly the eager engine's, and Python does O(1) work per step instead of a
 forward, a logits call and a metadata build per draft.
 
-Rows may carry different numbers of drafts (adaptive draft length). A row the policy gives 0 drafts runs no
+Rows may carry different numbers of drafts (adaptive draft length, the confidence gate inside the call). A row the policy gives 0 drafts runs no
 MTP forward: its MTP caches lag and its hidden states wait in seq.mtp_pending (speculative/adaptive.py), as
 on the general path, so a step in which no row drafts costs what decoding without MTP costs. A lagging row
 that drafts again catches up inside the call (its pending states go in as its window). Out of scope (the
 step runs through the general path): prefill rows, sampled rows, relaxed acceptance in the thinking phase,
-the confidence gate, injected drafters and the overlap scheduler. When only the drafting is out of scope
-(the confidence gate), `target()` still runs the target forward and the verification in one call and hands
-the hidden states to the general path's drafter.
+injected drafters and the overlap scheduler. `target()` runs the target forward and the verification of a
+greedy batch in one call for the general path (rows whose MTP state the call cannot bring up to date) and
+hands the hidden states to its drafter.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from mtp_core.speculative.adaptive import MAX_MTP_LAG
 
 class NativeStep:
     def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int,
-                 relaxed: Optional[tuple[int, float]], fixed_counts: bool, drafts_inside: bool,
-                 vanilla: bool = False) -> None:
+                 relaxed: Optional[tuple[int, float]], fixed_counts: bool, vanilla: bool = False,
+                 confidence: float = 0.0) -> None:
         self.caches, self.K = caches, K
         self.native = model.native
         self.hidden_size = model.config.hidden_size
@@ -40,14 +40,14 @@ class NativeStep:
         self.vanilla = vanilla and K > 1                     # modules 0..K-1, each over the row's window
         self.relaxed_on = relaxed is not None and relaxed[0] > 1 and relaxed[1] > 0
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
-        self.drafts_inside = drafts_inside                   # no confidence gate: run() drafts
+        self.confidence = confidence                         # the confidence gate's threshold (0: off)
         self.num_replays = 0                                 # steps run whole by run()
         self.num_targets = 0                                 # steps whose target + verification ran in target()
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
         """self when every row is a greedy strict decode row and every row that drafts has the stored states its
         MTP forwards re-read (lagging positions; Vanilla's window), else None."""
-        if not self.drafts_inside or not self.can_verify(rows):
+        if not self.can_verify(rows):
             return None
         for r in rows:
             if self._limit(r) and self._window_len(r) > self._stored(r.seq):
@@ -79,6 +79,8 @@ class NativeStep:
         kmax = max(len(r.token_ids) for r in rows) - 1
         tokens = [row[1:1 + row[0]] for row in out]
         drafts = [row[2 + kmax: 2 + kmax + n] for row, n in zip(out, limits)]
+        if self.confidence:          # the gate may stop a chain early: -1 past its last draft
+            drafts = [d[:d.index(-1)] if -1 in d else d for d in drafts]
         self._settle(rows, limits, out, hidden, windows)
         return tokens, drafts
 
@@ -170,5 +172,6 @@ class NativeStep:
         out, hidden, windows = nd.step_op(
             nd.handle, torch.tensor(ids, dtype=torch.long), torch.tensor(qs, dtype=torch.int32),
             torch.tensor([r.start for r in rows], dtype=torch.long), tables, torch.tensor(limits, dtype=torch.int32),
-            self.caches, nd.rope_cos, nd.rope_sin, mtp_layer, self.K if vanilla else 1, *window)
+            self.caches, nd.rope_cos, nd.rope_sin, mtp_layer, self.K if vanilla else 1, *window,
+            self.confidence if drafting else 0.0)
         return out.tolist(), hidden, windows
