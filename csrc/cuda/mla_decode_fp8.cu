@@ -32,7 +32,8 @@ constexpr int kPage = kMlaPageSize;         // 64 tokens per cache page = keys p
 constexpr int kStride = kDim + 8;            // bf16 per shared row; +16 B keeps mma loads conflict-free
 constexpr int kPStride = kPage + 8;
 constexpr int kPageBytes = kPage * kDim;     // one fp8 page, contiguous in the cache
-constexpr int kMaxSplits = 64;
+// Above the SM count of any current GPU (H100/H200 132, B200 148): batch 1 can fill every SM.
+constexpr int kMaxSplits = 256;
 constexpr int kMaxDevices = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -80,15 +81,28 @@ __global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kerne
   const int row0 = blockIdx.x * C::kRows;
 
   const int seqlen = max(p.seqlens[b], 0);
-  const int num_pages = (seqlen + kPage - 1) / kPage;
-  const int pages_per_split = (num_pages + p.num_splits - 1) / p.num_splits;
-  const int page_begin = split * pages_per_split;
-  const int page_end = min(num_pages, page_begin + pages_per_split);
+  // As the reference: a row reads at most the pages its block table holds, and block ids are clamped
+  // into the cache (a stale or padded entry reads a real block; the causal mask decides what counts).
+  const int num_pages = min((seqlen + kPage - 1) / kPage, p.max_blocks);
+  // This row's own split count, from its actual length: at least RW pages per split, so that a split's
+  // fp32 partial (kRows x 2 KB) is not larger than the fp8 pages it reads (kRows / 16 x 36 KB).
+  // Pages are dealt out evenly (no split gets more than one page above another).
+  const int row_splits = max(1, min(p.num_splits, (num_pages + RW - 1) / RW));
+  const int page_begin = static_cast<int>(static_cast<int64_t>(split) * num_pages / row_splits);
+  const int page_end = split < row_splits
+                           ? static_cast<int>(static_cast<int64_t>(split + 1) * num_pages / row_splits)
+                           : page_begin;
+    if (split >= row_splits) {  // a split this row does not need: weigh nothing in the combine, load nothing
+    if (tid < C::kRows && row0 + tid < num_rows)
+      p.part_lse[(static_cast<int64_t>(b) * p.num_splits + split) * num_rows + row0 + tid] = -INFINITY;
+    return;
+  }
   const int* table = p.block_table + static_cast<int64_t>(b) * p.block_table_stride;
 
   auto load_page = [&](int page, int stage) {
     if (page < page_end) {
-      const uint8_t* src = kv + static_cast<int64_t>(table[page]) * kPageBytes;
+      const int block = min(max(table[page], 0), p.num_blocks - 1);
+      const uint8_t* src = kv + static_cast<int64_t>(block) * kPageBytes;
       uint8_t* dst = raw + stage * kPageBytes;
       for (int c = tid; c < kPageBytes / 16; c += C::kThreads) cp_async_16(dst + c * 16, src + c * 16);
     }
