@@ -157,19 +157,19 @@ class StaticDecodeStep:
         One host-to-device copy per step, from a pinned buffer and non-blocking: the previous step's
         staging buffer is free again because run() ended with a device-to-host copy (a stream sync)."""
         Q, max_blocks = self.K + 1, self.block_tables.shape[1]
-        n_ids, n_start, n_tables, _ = self._layout
-        host = self._host.numpy()
-        ids = host[:n_ids].reshape(self.B, Q)
-        start = host[n_ids:n_ids + n_start]
-        tables = host[n_ids + n_start:n_ids + n_start + n_tables].reshape(self.B, max_blocks)
-        thinking = host[n_ids + n_start + n_tables:]
-        host[:] = 0
-        tables[:] = self.scratch
+        n_ids, n_start, n_tables, n_think = self._layout
+        flat = [0] * (n_ids + n_start) + [self.scratch] * n_tables + [0] * n_think     # scratch rows by default
+        o_start, o_tables, o_think = n_ids, n_ids + n_start, n_ids + n_start + n_tables
         for b, r in enumerate(rows):
-            ids[b] = r.token_ids
-            start[b] = r.start
-            tables[b, :len(r.seq.block_table)] = r.seq.block_table
-            thinking[b] = r.seq.in_thinking
+            table = r.seq.block_table
+            if len(r.token_ids) != Q or len(table) > max_blocks:
+                raise ValueError(f"static step: a row brings {len(r.token_ids)} tokens and {len(table)} blocks, "
+                                 f"the buffers hold {Q} and at most {max_blocks}")
+            flat[b * Q:(b + 1) * Q] = r.token_ids
+            flat[o_start + b] = r.start
+            flat[o_tables + b * max_blocks:o_tables + b * max_blocks + len(table)] = table
+            flat[o_think + b] = int(r.seq.in_thinking)
+        self._host.copy_(torch.tensor(flat, dtype=torch.long))
         self._staged.copy_(self._host, non_blocking=True)
         parts = self._staged.split(self._layout)
         self.input_ids.copy_(parts[0].view(self.B, Q))
