@@ -159,3 +159,23 @@ def test_gpu_load_keeps_packed_only_what_a_gpu_gemm_serves(monkeypatch) -> None:
     fp8_names = {"a.weight", "a.weight_scale_inv"}
     assert _served_packed(Fp8BlockFormat(), "a.weight", (256, 256), fp8_names, "cuda", BF16)
     assert not _served_packed(Fp8BlockFormat(), "a.weight", (192, 256), fp8_names, "cuda", BF16)
+
+
+def test_fp8_scaled_mm_refusal_is_logged_and_dequantizes(monkeypatch) -> None:
+    """If this torch refuses the block-scaled recipe at run time, the module says so (.kernel / its reason)
+    and dequantizes from then on; the decision itself stays with choose_linear_kernel."""
+    import torch.nn.functional as F
+    q, s = quantize_fp8_block(torch.randn(256, 256, generator=torch.Generator().manual_seed(3)))
+    module = Fp8BlockLinear(q, s)
+    calls = []
+
+    def refuse(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("Invalid scaling configuration\nmore")
+
+    monkeypatch.setattr(dispatch, "linear_target", lambda device: H200)
+    monkeypatch.setattr(F, "scaled_mm", refuse)
+    x = torch.randn(3, 256)
+    for _ in range(2):
+        torch.testing.assert_close(module(x), x @ module.weight.t())
+    assert calls == [1] and module.kernel == "dequant" and "Invalid scaling configuration" in module.kernel_reason

@@ -97,10 +97,19 @@ class Fp8BlockLinear(_KernelChoice, torch.nn.Module):
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16, device=x.device)
             _deep_gemm_nt(load_deep_gemm())((x_fp8, x_scale), (self.weight_fp8, self.weight_scale_inv), out)
         else:   # fp8_scaled_mm: cuBLASLt block scaling; 1x128 scales outer-dim-major, 128x128 as [K/128, N/128]
-            out = F.scaled_mm(x_fp8, self.weight_fp8.t(),
-                              scale_a=x_scale.t().contiguous().t(), scale_recipe_a=F.ScalingType.BlockWise1x128,
-                              scale_b=self.weight_scale_inv.t(), scale_recipe_b=F.ScalingType.BlockWise128x128,
-                              output_dtype=torch.bfloat16)
+            try:
+                out = F.scaled_mm(x_fp8, self.weight_fp8.t(),
+                                  scale_a=x_scale.t().contiguous().t(), scale_recipe_a=F.ScalingType.BlockWise1x128,
+                                  scale_b=self.weight_scale_inv.t(), scale_recipe_b=F.ScalingType.BlockWise128x128,
+                                  output_dtype=torch.bfloat16)
+            except RuntimeError as e:   # this torch / cuBLASLt refuses the recipe: say so, dequantize from now on
+                if x.is_cuda and torch.cuda.is_current_stream_capturing():
+                    raise
+                why = f"F.scaled_mm refused the block-scaled FP8 recipe ({str(e).splitlines()[0]})"
+                logger.warning("%s: %s; dequantizing instead", self.extra_repr(), why)
+                self.__dict__["_choices"][(x.device, x.dtype)] = ("dequant", why)
+                self.kernel, self.kernel_reason = "dequant", why
+                return F.linear(x, self.weight.to(x.dtype))
         return out.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
