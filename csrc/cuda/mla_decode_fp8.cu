@@ -16,6 +16,18 @@
 // one split, partial (O, lse) pairs go to an fp32 workspace and a combine kernel merges them.
 // The per-tensor kv_scale is folded into the score scale and the output scale, so the fp8 -> bf16
 // conversion is exact. kv_scale stays on the device, so the launch is CUDA-graph safe.
+//
+// Splits: the grid's split extent comes from shapes only (mla_decode_num_splits: fill the SMs in one
+// wave, graph-replayable for any lengths); each CTA derives its row's own split count from the row's
+// actual length, so a short row's unneeded splits write lse = -inf (weightless in the combine) and exit
+// before loading anything.
+//
+// The fp8 -> bf16 dequant (cvt e4m3x2 -> f16x2, 2 x f16 -> f32, one f32x2 -> bf16x2: 4 instructions per
+// 2 values) is kept: the shorter integer re-biasing tricks either make bf16 subnormals of e4m3
+// subnormals (and rely on the tensor cores' subnormal handling, or need compensating power-of-two
+// scales on Q and P) or turn an e4m3 NaN into a finite value, and neither can be verified without a GPU.
+// Each page is dequantized once per CTA that reads it: once in all for H <= 64 (one row tile per batch
+// row), twice for H = 128 (two 64-row tiles; a 128-row tile does not fit the 227 KB of shared memory).
 #include <algorithm>
 #include <cmath>
 
