@@ -32,6 +32,7 @@ done
 if [[ -n "${OUT:-}" ]]; then
   mkdir -p "$OUT"
   exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+  TEE_PID=$!
 fi
 START=$(date +%s)
 BUDGET="${GPU_CHECK_BUDGET_S:-470}"
@@ -211,3 +212,9 @@ if [[ "${SKIP_DECODE:-0}" == 1 ]]; then skip_stage decode "SKIP_DECODE=1"
 else run_stage decode 200 "$PYTHON" scripts/gpu_check.py decode "${DRY_FLAG[@]}"; fi
 
 summary
+RC=$?
+if [[ -n "${TEE_PID:-}" ]]; then   # let tee write the last lines before the caller reads the log
+  exec >&- 2>&-
+  wait "$TEE_PID" 2>/dev/null
+fi
+exit $RC
