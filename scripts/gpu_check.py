@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import gc
 import importlib.util
 import logging
 import math
@@ -303,7 +304,9 @@ def _decode(torch, dev, dry, handler, tmp: Path) -> int:
                 cg = CudaGraphConfig(batch_sizes=[1, 2, 4], enable_padding=True) if use_graph else None
                 llm = LLM(LLMConfig(model_dir=str(model_dir), dtype="float32" if dry else "bfloat16",
                                     device=dev.type, max_batch_size=4, speculative_config=spec,
-                                    cuda_graph_config=cg, kv_cache_config=KvCacheConfig(dtype="fp8")))
+                                    cuda_graph_config=cg,
+                                    # a small pool (4 rows of ~80 tokens); freed between engines below
+                                    kv_cache_config=KvCacheConfig(dtype="fp8", max_tokens=8192)))
                 sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
                 llm.generate(prompts[:batch], sp)                      # warm up (and capture)
                 if dev.type == "cuda":
@@ -320,6 +323,9 @@ def _decode(torch, dev, dry, handler, tmp: Path) -> int:
                         print(f"   K={K} B={batch}: the static step never ran (graphs off: see the log)")
                 tokens[(K, batch, use_graph)] = res[use_graph][1]
                 del llm
+                gc.collect()
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
             same = res[True][1] == res[False][1]
             print(f"{K:>2} {batch:>2} {res[False][0]:>14.2f} {res[True][0]:>14.2f} "
                   f"{res[False][0] / res[True][0]:>8.2f}x {str(same):>13}")
