@@ -100,15 +100,13 @@ __global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kerne
   // fp32 partial (kRows x 2 KB) is not larger than the fp8 pages it reads (kRows / 16 x 36 KB).
   // Pages are dealt out evenly (no split gets more than one page above another).
   const int row_splits = max(1, min(p.num_splits, (num_pages + RW - 1) / RW));
-  const int page_begin = static_cast<int>(static_cast<int64_t>(split) * num_pages / row_splits);
-  const int page_end = split < row_splits
-                           ? static_cast<int>(static_cast<int64_t>(split + 1) * num_pages / row_splits)
-                           : page_begin;
-    if (split >= row_splits) {  // a split this row does not need: weigh nothing in the combine, load nothing
+  if (split >= row_splits) {  // a split this row does not need: weigh nothing in the combine, load nothing
     if (tid < C::kRows && row0 + tid < num_rows)
       p.part_lse[(static_cast<int64_t>(b) * p.num_splits + split) * num_rows + row0 + tid] = -INFINITY;
     return;
   }
+  const int page_begin = static_cast<int>(static_cast<int64_t>(split) * num_pages / row_splits);
+  const int page_end = static_cast<int>(static_cast<int64_t>(split + 1) * num_pages / row_splits);
   const int* table = p.block_table + static_cast<int64_t>(b) * p.block_table_stride;
 
   auto load_page = [&](int page, int stage) {
