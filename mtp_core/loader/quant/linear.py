@@ -41,8 +41,9 @@ class _KernelChoice:
             from mtp_core.kernels import dispatch
             cache[key] = self._decide(x.dtype, dispatch.linear_target(x.device))
             logger.debug("%s on %s %s: %s (%s)", self.extra_repr(), x.device, x.dtype, *cache[key])
-        self.kernel, self.kernel_reason = cache[key]
-        return self.kernel
+        if self.__dict__.get("kernel") != cache[key][0] or self.__dict__.get("kernel_reason") != cache[key][1]:
+            self.kernel, self.kernel_reason = cache[key]
+        return cache[key][0]
 
     def _decide(self, x_dtype: torch.dtype, target) -> tuple[str, str]:
         raise NotImplementedError
