@@ -162,7 +162,7 @@ def quickstart_command(
     keep_quantized: bool = typer.Option(
         False, "--keep_quantized",
         help="Keep FP8/NVFP4 weights packed on every device (default: packed on a CPU with the native kernels, "
-             "which dequantize them in registers)."),
+             "which dequantize them in registers, and on a GPU where a GPU GEMM serves the weight)."),
     dequantize: bool = typer.Option(False, "--dequantize",
                                     help="Dequantize FP8/NVFP4 weights at load to --dtype (more memory)."),
     apply_chat_template: bool = typer.Option(False, "--apply_chat_template", help="Wrap prompts in the chat template."),

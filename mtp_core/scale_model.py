@@ -105,15 +105,20 @@ def _shards(tensors: dict[str, tuple[torch.Size, bool]], shard_bytes: int, elem:
 def write_scale_checkpoint(out_dir: str | Path, shape: str = "moonlight", num_layers: int = 4, num_mtp: int = 1,
                            width_divisor: int = 1, vocab_size: int | None = None, seed: int = 0,
                            dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 512 << 20,
-                           n_routed_experts: int | None = None) -> Path:
+                           n_routed_experts: int | None = None, overrides: dict | None = None) -> Path:
     """Write config, tokenizer and sharded safetensors into out_dir (which must not exist or be empty);
-    written into a temporary sibling and renamed at the end, so nothing half-written remains."""
+    written into a temporary sibling and renamed at the end, so nothing half-written remains.
+    overrides: config.json fields set after the shape's widths (e.g. a smaller moe_intermediate_size)."""
     from mtp_core.tokenizer_build import build_tiny_tokenizer
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; choose a new directory")
     cfg_dict = scale_config_dict(shape, num_layers, num_mtp, width_divisor, vocab_size, n_routed_experts)
+    unknown = sorted(set(overrides or {}) - set(cfg_dict))
+    if unknown:
+        raise ValueError(f"overrides: {unknown[0]!r} is not a config.json field of the {shape} shape")
+    cfg_dict.update(overrides or {})
     cfg = ModelConfig.from_dict(cfg_dict)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".scale-", dir=out.parent))

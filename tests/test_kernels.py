@@ -253,6 +253,22 @@ def test_quantize_ref_rounding_by_hand() -> None:
     assert scale.float().tolist() == [[0.0], [448.0]] and packed[0].tolist() == [0] * 8
 
 
+def test_quantize_ref_nan_and_inf() -> None:
+    """The NaN contract the CUDA nvfp4_quantize matches bit for bit: a block holding a NaN gets the e4m3 NaN
+    scale 0x7F and all-zero codes (it dequantizes to NaN; it never becomes a finite 448-scaled block), the
+    other block of the row is untouched; +-inf saturates to scale 448 and code +-6."""
+    x = torch.ones(2, 32)
+    x[0, 3] = float("nan")
+    x[1, 16], x[1, 17] = float("inf"), -1.0
+    packed, scale = quantize_nvfp4_ref(x, torch.tensor(1.0 / 6.0))
+    assert scale.view(torch.uint8).tolist() == [[0x7F, 0x38], [0x38, 0x7E]]     # NaN, 1.0 / 1.0, 448
+    assert packed[0, :8].tolist() == [0] * 8 and packed[0, 8:].tolist() == [0x77] * 8   # 1.0 = 6.0 x 1 x 1/6
+    assert packed[1, 8].item() == 0x87                                           # inf -> +6, -1 / 448 -> -0
+    deq = dequantize_nvfp4(packed, scale, torch.tensor(1.0 / 6.0))
+    assert deq[0, :16].isnan().all() and torch.equal(deq[0, 16:], torch.ones(16))
+    assert deq[1, 16].item() == 448.0 and not deq[1].isnan().any()
+
+
 def test_w4a4_ref_exact_on_representable_inputs() -> None:
     x = torch.tensor([[6.0, -3.0, 1.5, 0.5] * 4])            # on the e2m1 grid with block scale 1
     weight = torch.tensor([[0x71] * 8], dtype=torch.uint8)

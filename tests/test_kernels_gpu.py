@@ -56,12 +56,30 @@ def mla_case(device, batch: int, num_q: int, heads: int, seqlens: list[int], see
     (2, 3, 10, [0, 777]),                     # 30 rows (32-row CTA), a padded slot with seqlen 0
     (2, 1, 128, [300, 1000]),                 # 128 rows = two 64-row CTAs
     (64, 2, 128, [257] * 63 + [1500]),        # enough CTAs for a single split (direct epilogue)
+    (1, 1, 16, [20000]),                      # batch 1: one split per SM (more than the old cap of 64)
+    (4, 1, 16, [3, 9000, 64, 0]),             # short rows beside a long one: their unneeded splits exit at once
+    (2, 2, 128, [65, 2000]),                  # 64-row CTAs: at least 4 pages per split
 ])
 def test_mla_decode_cuda_matches_ref(device, batch, num_q, heads, seqlens) -> None:
     args = mla_case(device, batch, num_q, heads, seqlens)
     out, lse = mla_decode(*args)
     want_out, want_lse = mla_decode_ref(*args)
     assert out.dtype == torch.bfloat16 and out.shape == want_out.shape and lse.shape == want_lse.shape
+    torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=1e-3)
+
+
+def test_mla_decode_cuda_clamps_as_the_reference(device) -> None:
+    """Block ids outside the cache are clamped into it and a row never reads past its block table's width,
+    as mla_decode_ref clamps them (the kernel cannot raise)."""
+    q_lat, q_pe, cache, table, lens, scale, kv_scale = mla_case(device, 3, 2, 16, [200, 130, 64])
+    raw = cache.view(torch.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0                      # no NaN slots: a clamped id may land on any block
+    table[0, 1] = -7                                   # a negative id -> block 0
+    table[1, 2] = cache.shape[0] + 1000                # past the cache -> the last block
+    lens[2] = table.shape[1] * 64 + 500                # longer than the table: only the table's pages count
+    out, lse = mla_decode(q_lat, q_pe, cache, table, lens, scale, kv_scale)
+    want_out, want_lse = mla_decode_ref(q_lat, q_pe, cache, table, lens, scale, kv_scale)
     torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=1e-3)
 
@@ -102,7 +120,10 @@ def test_nvfp4_quantize_cuda_is_bitwise_ref(device) -> None:
     g = torch.Generator(device="cpu").manual_seed(1)
     x = (torch.randn(37, 512, generator=g) * torch.logspace(-3, 3, 37)[:, None]).to(torch.bfloat16).to(device)
     x[3] = 0.0
-    global_scale = (x.float().abs().amax() / (6.0 * 448.0)).reshape(1)
+    x[5, 17] = float("nan")                        # the reference's NaN contract: scale 0x7F, codes 0
+    x[6, 40] = float("inf")
+    x[7, 100] = float("-inf")
+    global_scale = (x.float().abs().nan_to_num(0.0, 0.0, 0.0).amax() / (6.0 * 448.0)).reshape(1)
     packed, scale = nvfp4_quantize(x, global_scale)
     want_packed, want_scale = quantize_nvfp4_ref(x, global_scale)
     assert torch.equal(packed, want_packed)

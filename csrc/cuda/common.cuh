@@ -16,26 +16,32 @@ __device__ __forceinline__ uint32_t smem_addr(const void* ptr) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
 }
 
+// The cp.async asm statements carry a "memory" clobber: they write (or order writes to) shared memory
+// behind the compiler's back, so it must not cache shared-memory values across them or move ordinary
+// shared-memory loads of the destination above the wait.
+
 // 16 bytes global -> shared, bypassing L1. `valid == false` writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid = true) {
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes));
+               "r"(src_bytes)
+               : "memory");
 }
 
 // 4 bytes global -> shared (cp.async.ca is the only variant allowed below 16 bytes).
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid = true) {
   const int src_bytes = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-               "r"(src_bytes));
+               "r"(src_bytes)
+               : "memory");
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Wait until at most `kPending` committed groups are still in flight.
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // D += A * B for one m16n8k16 tile, bf16 inputs, fp32 accumulators.

@@ -27,11 +27,15 @@ struct MlaDecodeParams {
   float* part_out;            // float32 [B, num_splits, Q*H, 512], only when num_splits > 1
   float* part_lse;            // float32 [B, num_splits, Q*H], only when num_splits > 1
   int64_t block_table_stride;
+  int max_blocks;             // block_table.size(1): a row reads at most this many pages
+  int num_blocks;             // kv_cache.size(0): block ids are clamped to [0, num_blocks - 1]
   int batch, num_q, num_heads, num_splits;
   float softmax_scale;
 };
 
-// KV splits for a launch: a function of shapes only (stable under CUDA-graph capture).
+// KV splits of a launch (the grid's y extent): a function of shapes only, so a CUDA graph can replay it
+// for any lengths. Each CTA then derives its row's own split count from that row's actual length
+// (mla_decode_fp8.cu); splits a short row does not need exit at once.
 int mla_decode_num_splits(int batch, int num_q, int num_heads, int max_blocks, int num_sms);
 cudaError_t mla_decode_fp8(const MlaDecodeParams& params, cudaStream_t stream);
 // Merge the num_splits partial (out, lse) pairs into out / lse (mla_combine.cu); called by

@@ -16,6 +16,18 @@
 // one split, partial (O, lse) pairs go to an fp32 workspace and a combine kernel merges them.
 // The per-tensor kv_scale is folded into the score scale and the output scale, so the fp8 -> bf16
 // conversion is exact. kv_scale stays on the device, so the launch is CUDA-graph safe.
+//
+// Splits: the grid's split extent comes from shapes only (mla_decode_num_splits: fill the SMs in one
+// wave, graph-replayable for any lengths); each CTA derives its row's own split count from the row's
+// actual length, so a short row's unneeded splits write lse = -inf (weightless in the combine) and exit
+// before loading anything.
+//
+// The fp8 -> bf16 dequant (cvt e4m3x2 -> f16x2, 2 x f16 -> f32, one f32x2 -> bf16x2: 4 instructions per
+// 2 values) is kept: the shorter integer re-biasing tricks either make bf16 subnormals of e4m3
+// subnormals (and rely on the tensor cores' subnormal handling, or need compensating power-of-two
+// scales on Q and P) or turn an e4m3 NaN into a finite value, and neither can be verified without a GPU.
+// Each page is dequantized once per CTA that reads it: once in all for H <= 64 (one row tile per batch
+// row), twice for H = 128 (two 64-row tiles; a 128-row tile does not fit the 227 KB of shared memory).
 #include <algorithm>
 #include <cmath>
 
@@ -32,7 +44,8 @@ constexpr int kPage = kMlaPageSize;         // 64 tokens per cache page = keys p
 constexpr int kStride = kDim + 8;            // bf16 per shared row; +16 B keeps mma loads conflict-free
 constexpr int kPStride = kPage + 8;
 constexpr int kPageBytes = kPage * kDim;     // one fp8 page, contiguous in the cache
-constexpr int kMaxSplits = 64;
+// Above the SM count of any current GPU (H100/H200 132, B200 148): batch 1 can fill every SM.
+constexpr int kMaxSplits = 256;
 constexpr int kMaxDevices = 64;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -80,15 +93,26 @@ __global__ void __launch_bounds__(Cfg<RW, CW>::kThreads, 1) mla_decode_fp8_kerne
   const int row0 = blockIdx.x * C::kRows;
 
   const int seqlen = max(p.seqlens[b], 0);
-  const int num_pages = (seqlen + kPage - 1) / kPage;
-  const int pages_per_split = (num_pages + p.num_splits - 1) / p.num_splits;
-  const int page_begin = split * pages_per_split;
-  const int page_end = min(num_pages, page_begin + pages_per_split);
+  // As the reference: a row reads at most the pages its block table holds, and block ids are clamped
+  // into the cache (a stale or padded entry reads a real block; the causal mask decides what counts).
+  const int num_pages = min((seqlen + kPage - 1) / kPage, p.max_blocks);
+  // This row's own split count, from its actual length: at least RW pages per split, so that a split's
+  // fp32 partial (kRows x 2 KB) is not larger than the fp8 pages it reads (kRows / 16 x 36 KB).
+  // Pages are dealt out evenly (no split gets more than one page above another).
+  const int row_splits = max(1, min(p.num_splits, (num_pages + RW - 1) / RW));
+  if (split >= row_splits) {  // a split this row does not need: weigh nothing in the combine, load nothing
+    if (tid < C::kRows && row0 + tid < num_rows)
+      p.part_lse[(static_cast<int64_t>(b) * p.num_splits + split) * num_rows + row0 + tid] = -INFINITY;
+    return;
+  }
+  const int page_begin = static_cast<int>(static_cast<int64_t>(split) * num_pages / row_splits);
+  const int page_end = static_cast<int>(static_cast<int64_t>(split + 1) * num_pages / row_splits);
   const int* table = p.block_table + static_cast<int64_t>(b) * p.block_table_stride;
 
   auto load_page = [&](int page, int stage) {
     if (page < page_end) {
-      const uint8_t* src = kv + static_cast<int64_t>(table[page]) * kPageBytes;
+      const int block = min(max(table[page], 0), p.num_blocks - 1);
+      const uint8_t* src = kv + static_cast<int64_t>(block) * kPageBytes;
       uint8_t* dst = raw + stage * kPageBytes;
       for (int c = tid; c < kPageBytes / 16; c += C::kThreads) cp_async_16(dst + c * 16, src + c * 16);
     }

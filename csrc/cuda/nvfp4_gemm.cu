@@ -24,7 +24,16 @@ constexpr int kThreads = 128;
 constexpr int kStages = 3;
 constexpr int kXStride = kBK + 8;  // bf16 per shared row (+16 B: conflict-free fragment loads)
 constexpr int kWStride = kBK + 8;
-constexpr int kMaxSplits = 16;
+constexpr int kMaxSplits = 32;
+// Split-K sizing (decode: M is a handful of tokens, the GEMM streams the weight once). Each CTA keeps
+// kStages - 1 = 2 weight tiles in flight (2 x (2 KB codes + 256 B scales); the x rows of a decode are a few
+// hundred bytes). Little's law: H200's ~4.8 TB/s at ~0.7 us DRAM latency needs ~3.4 MB in flight; two CTAs
+// per SM (the old target) keep ~1.2 MB (~1.7 TB/s). Occupancy allows 5 CTAs per SM (95 registers x 128
+// threads and 43.8 KB of static shared memory, ptxas sm_90a), ~3 MB in flight: aim there.
+constexpr int kTargetCtasPerSm = 5;
+// Each split writes an fp32 M x N partial that the reduce kernel reads back (mostly from L2): keep all
+// partials within the weight bytes (N x K / 2): splits <= K / (8 M). Prefill-sized M gets no split.
+constexpr int kPartialBytesDivisor = 8;
 
 struct Smem {
   bf16 x[kStages][kBM][kXStride];
@@ -176,8 +185,12 @@ int nvfp4_gemm_num_splits(int M, int N, int K, int num_sms) {
   const int64_t tiles = static_cast<int64_t>((M + kBM - 1) / kBM) * ((N + kBN - 1) / kBN);
   const int k_tiles = K / kBK;
   if (tiles <= 0 || k_tiles <= 1 || tiles >= num_sms) return 1;
-  // Aim at about two CTAs per SM; keep at least two k-steps per split.
-  int splits = static_cast<int>(std::min<int64_t>((2 * num_sms + tiles - 1) / tiles, kMaxSplits));
+  // Aim at the occupancy (kTargetCtasPerSm per SM); keep at least two k-steps per split and the partials'
+  // traffic small against the weights (see kPartialBytesDivisor).
+  // Rounded down: the CTAs fit in one wave (a second, mostly empty wave would cost a whole extra CTA time).
+  int splits = static_cast<int>(
+      std::min<int64_t>(static_cast<int64_t>(kTargetCtasPerSm) * num_sms / tiles, kMaxSplits));
+  splits = std::min(splits, std::max(1, K / (kPartialBytesDivisor * std::max(M, 1))));
   splits = std::max(1, std::min(splits, k_tiles / 2));
   // Drop splits that would get no k-steps.
   return (k_tiles + k_tiles_per_split(K, splits) - 1) / k_tiles_per_split(K, splits);

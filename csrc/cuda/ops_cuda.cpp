@@ -50,6 +50,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_cuda(const at::Tensor& q_lat, cons
                   aligned16(kv_cache),
               "mla_decode (CUDA): kv_cache must be a contiguous, 16-byte aligned float8_e4m3fn "
               "[num_blocks, 64, 576]");
+  TORCH_CHECK(kv_cache.size(0) >= 1 && kv_cache.size(0) <= INT32_MAX,
+              "mla_decode (CUDA): kv_cache must hold between 1 and 2^31 - 1 blocks, got ", kv_cache.size(0));
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.size(0) == B &&
                   block_table.stride(1) == 1,
               "mla_decode (CUDA): block_table must be int32 [B, max_blocks] with unit column stride");
@@ -92,6 +94,8 @@ std::tuple<at::Tensor, at::Tensor> mla_decode_cuda(const at::Tensor& q_lat, cons
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   p.block_table_stride = block_table.stride(0);
+  p.max_blocks = static_cast<int>(block_table.size(1));
+  p.num_blocks = static_cast<int>(kv_cache.size(0));
   p.softmax_scale = static_cast<float>(softmax_scale);
   C10_CUDA_CHECK(k::mla_decode_fp8(p, c10::cuda::getCurrentCUDAStream().stream()));
   return {out, lse};

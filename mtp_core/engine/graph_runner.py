@@ -105,6 +105,13 @@ class StaticDecodeStep:
         self.num_emitted = torch.ones(B, dtype=torch.long, device=device)
         self.drafts = torch.zeros(B, K, dtype=torch.long, device=device)
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        # load() stages every input in one int64 host buffer (pinned on CUDA) and sends it with one
+        # asynchronous copy; the device then spreads it over the input buffers (int32 / bool casts included).
+        self._layout = (B * Q, B, B * max_blocks, B)                             # ids, start, tables, thinking
+        total = sum(self._layout)
+        pinned = device.type == "cuda"
+        self._host = torch.zeros(total, dtype=torch.long, pin_memory=pinned)
+        self._staged = torch.zeros(total, dtype=torch.long, device=device)
 
     # ---- the static computation -------------------------------------------------------------
     def _meta(self, positions: torch.Tensor) -> AttentionMetadata:
@@ -145,20 +152,30 @@ class StaticDecodeStep:
 
     # ---- host side ---------------------------------------------------------------------------
     def load(self, rows: list[ScheduledRow]) -> None:
-        """Copies a batch (<= B rows) into the input buffers; the rest become scratch rows."""
-        Q = self.K + 1
-        ids = torch.zeros(self.B, Q, dtype=torch.long)
-        start = torch.zeros(self.B, dtype=torch.long)
-        tables = torch.full(tuple(self.block_tables.shape), self.scratch, dtype=torch.int32)
-        thinking = torch.zeros(self.B, dtype=torch.bool)
+        """Copies a batch (<= B rows) into the input buffers; the rest become scratch rows.
+
+        One host-to-device copy per step, from a pinned buffer and non-blocking: the previous step's
+        staging buffer is free again because run() ended with a device-to-host copy (a stream sync)."""
+        Q, max_blocks = self.K + 1, self.block_tables.shape[1]
+        n_ids, n_start, n_tables, n_think = self._layout
+        flat = [0] * (n_ids + n_start) + [self.scratch] * n_tables + [0] * n_think     # scratch rows by default
+        o_start, o_tables, o_think = n_ids, n_ids + n_start, n_ids + n_start + n_tables
         for b, r in enumerate(rows):
-            ids[b] = torch.tensor(r.token_ids)
-            start[b] = r.start
-            tables[b, :len(r.seq.block_table)] = torch.tensor(r.seq.block_table, dtype=torch.int32)
-            thinking[b] = r.seq.in_thinking
-        for buf, src in ((self.input_ids, ids), (self.start, start), (self.block_tables, tables),
-                         (self.thinking, thinking)):
-            buf.copy_(src)
+            table = r.seq.block_table
+            if len(r.token_ids) != Q or len(table) > max_blocks:
+                raise ValueError(f"static step: a row brings {len(r.token_ids)} tokens and {len(table)} blocks, "
+                                 f"the buffers hold {Q} and at most {max_blocks}")
+            flat[b * Q:(b + 1) * Q] = r.token_ids
+            flat[o_start + b] = r.start
+            flat[o_tables + b * max_blocks:o_tables + b * max_blocks + len(table)] = table
+            flat[o_think + b] = int(r.seq.in_thinking)
+        self._host.copy_(torch.tensor(flat, dtype=torch.long))
+        self._staged.copy_(self._host, non_blocking=True)
+        parts = self._staged.split(self._layout)
+        self.input_ids.copy_(parts[0].view(self.B, Q))
+        self.start.copy_(parts[1])
+        self.block_tables.copy_(parts[2].view(self.B, max_blocks))     # int64 -> int32 on the device
+        self.thinking.copy_(parts[3] != 0)
 
     def capture(self, pool=None) -> None:
         """CUDA only: two warm-up runs on a side stream, then capture (the buffers hold scratch rows, so

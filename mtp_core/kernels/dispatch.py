@@ -6,8 +6,10 @@ these tensors (device, dtypes, fixed GPU shapes), the torch reference otherwise.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -128,23 +130,27 @@ def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.T
 
 
 def nvfp4_w4a4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                    weight_scale_2: torch.Tensor, input_scale: torch.Tensor) -> torch.Tensor:
+                    weight_scale_2: torch.Tensor, input_scale: torch.Tensor,
+                    weight_scale_swizzled: Optional[torch.Tensor] = None) -> torch.Tensor:
     """W4A4 NVFP4 GEMM: x quantized to NVFP4 with input_scale, times the NVFP4 weight -> [..., N].
 
     Blackwell (compute capability 10.x): block-scaled FP4 tensor cores through cuBLASLt
     (F.scaled_mm, BlockWise1x16 + TensorWise scales, 128x4-swizzled block scales). Elsewhere the
-    same quantization is emulated in fp32 (nvfp4_w4a4_gemm_ref).
+    same quantization is emulated in fp32 (nvfp4_w4a4_gemm_ref). weight_scale_swizzled:
+    swizzle_block_scales(weight_scale), computed once by the caller (Nvfp4Linear caches it).
     """
     _check_nvfp4_weight(x, weight, weight_scale, weight_scale_2)
     x2 = x.reshape(-1, x.shape[-1])                                                     # [M, K]
     if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 10:
         gs_x, gs_w = input_scale.float().reshape(1), weight_scale_2.float().reshape(1)
         x_packed, x_scale = nvfp4_quantize(x2.to(torch.bfloat16), gs_x)
+        if weight_scale_swizzled is None:
+            weight_scale_swizzled = swizzle_block_scales(weight_scale)
         out = F.scaled_mm(
             x_packed.view(torch.float4_e2m1fn_x2), weight.view(torch.float4_e2m1fn_x2).t(),
             scale_a=[swizzle_block_scales(x_scale), gs_x],
             scale_recipe_a=[F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise],
-            scale_b=[swizzle_block_scales(weight_scale), gs_w],
+            scale_b=[weight_scale_swizzled, gs_w],
             scale_recipe_b=[F.ScalingType.BlockWise1x16, F.ScalingType.TensorWise],
             swizzle_a=[F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE],
             swizzle_b=[F.SwizzleType.SWIZZLE_32_4_4, F.SwizzleType.NO_SWIZZLE],
@@ -206,3 +212,89 @@ def mat_gemm(x: torch.Tensor, m, amx: bool = False) -> torch.Tensor:
                                            m.scale_r0, m.gscale2, amx)
     note_fallback("mat_gemm", f"{x.device}: no native op")
     return mat_gemm_ref(x, m, amx)
+
+
+# ---- which kernel serves a quantized linear ---------------------------------------------------
+LINEAR_KERNELS = ("dequant", "nvfp4_gemm", "nvfp4_w4a4", "fp8_deep_gemm", "fp8_scaled_mm")
+
+
+@dataclass(frozen=True)
+class LinearTarget:
+    """What a device offers the quantized linears: passed to choose_linear_kernel so that the decision can
+    be tested on a CPU for CUDA-like devices (linear_target() fills it in for a real device)."""
+    device_type: str                                # "cpu", "cuda", ...
+    capability: Optional[tuple[int, int]] = None    # CUDA compute capability, e.g. (9, 0) for H100/H200
+    native_cuda: bool = False                       # mtp_core._C_cuda was built for this device
+    deep_gemm: bool = False                         # the deep_gemm package imports
+    scaled_mm: bool = False                         # torch has F.scaled_mm with block-wise FP8 / FP4 recipes
+
+
+def linear_target(device: torch.device) -> LinearTarget:
+    """The LinearTarget of a real device (queried once per device)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return LinearTarget(device.type)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _cuda_linear_target(device.index)
+
+
+@functools.cache
+def _cuda_linear_target(index: int) -> LinearTarget:
+    from mtp_core.loader.quant.linear import load_deep_gemm   # lazy: the loader imports this module
+    capability = tuple(torch.cuda.get_device_capability(index))
+    scaled_mm = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") and all(
+        hasattr(F.ScalingType, n) for n in ("BlockWise1x128", "BlockWise128x128", "BlockWise1x16"))
+    deep_gemm = capability[0] == 9 and load_deep_gemm() is not None
+    return LinearTarget("cuda", capability, NATIVE.cuda_ok(torch.device("cuda", index)), deep_gemm, scaled_mm)
+
+
+def choose_linear_kernel(fmt: str, out_features: int, in_features: int, x_dtype: torch.dtype,
+                         target: LinearTarget, *, block_size: Optional[tuple[int, int]] = None,
+                         has_input_scale: bool = False, cpu_layout: bool = False,
+                         deep_gemm: bool = True) -> tuple[str, str]:
+    """The one decision "which kernel serves this quantized weight": -> (kernel, why), kernel in LINEAR_KERNELS.
+
+    fmt "nvfp4" (ModelOpt, group 16) or "fp8_block" (DeepSeek, block_size); x_dtype is the activations' dtype.
+      nvfp4_w4a4     Blackwell (sm_100): activations quantized to NVFP4 with the checkpoint's input_scale,
+                     FP4 tensor cores through F.scaled_mm (cuBLASLt); K % 32, N % 16.
+      nvfp4_gemm     the project's weight-only NVFP4 GEMM (sm_90a / sm_100a build of mtp_core._C_cuda),
+                     K % 64; x runs in bf16.
+      fp8_deep_gemm  DeepGEMM's FP8 GEMM on Hopper when installed (block 128x128, K % 128, N % 64).
+      fp8_scaled_mm  torch's block-scaled FP8 matmul (1x128 activations, 128x128 weights; sm_90 / sm_100,
+                     K % 128, N % 128).
+      dequant        F.linear on the dequantized weight (CPUs, where the native CPU forward reads the packed
+                     weights itself, and any case above that does not apply).
+    cpu_layout: the NVFP4 codes were reordered for the CPU kernels (only the dequantizing path reads them);
+    deep_gemm=False refuses DeepGEMM (make_fp8_linear's use_deep_gemm=False).
+    """
+    if fmt not in ("nvfp4", "fp8_block"):
+        raise ValueError(f"choose_linear_kernel: fmt must be 'nvfp4' or 'fp8_block', got {fmt!r}")
+    n, k = int(out_features), int(in_features)
+    if target.device_type != "cuda" or target.capability is None:
+        return "dequant", f"{target.device_type}: no GPU GEMM (the module dequantizes; the native CPU forward " \
+                          "reads the packed weights)"
+    major, minor = target.capability
+    arch = f"sm_{major}{minor}"
+    if x_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return "dequant", f"activations in {x_dtype}"
+    if fmt == "nvfp4":
+        if cpu_layout:
+            return "dequant", "NVFP4 codes are in the CPU kernels' order"
+        if major == 10 and target.scaled_mm and has_input_scale and k % 32 == 0 and n % 16 == 0:
+            return "nvfp4_w4a4", f"{arch}: FP4 tensor cores (W4A4 with the checkpoint's input_scale)"
+        if target.native_cuda and k % 64 == 0:
+            why = "no input_scale for W4A4" if major == 10 and not has_input_scale else "weight-only"
+            return "nvfp4_gemm", f"{arch}: mtp_core's NVFP4 GEMM ({why})"
+        if not target.native_cuda:
+            return "dequant", f"{arch}: mtp_core._C_cuda has no kernels for this GPU"
+        return "dequant", f"in_features {k} is not a multiple of 64"
+    if tuple(block_size or ()) != (128, 128):
+        return "dequant", f"FP8 block {list(block_size or ())} is not [128, 128]"
+    if k % 128:
+        return "dequant", f"in_features {k} is not a multiple of 128"
+    if major == 9 and deep_gemm and target.deep_gemm and n % 64 == 0:
+        return "fp8_deep_gemm", f"{arch}: DeepGEMM FP8 GEMM"
+    if major in (9, 10) and target.scaled_mm and n % 128 == 0:
+        return "fp8_scaled_mm", f"{arch}: torch's block-scaled FP8 matmul"
+    return "dequant", f"{arch}: no FP8 GEMM for out_features {n} (needs a multiple of 128)"

@@ -19,10 +19,19 @@ E4M3_MAX = 448.0
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """Integer e2m1 codes (0..15) -> float32 values (E2M1_VALUES[code], -0.0 for code 8), computed with device
+    arithmetic only: no host tensor is built, so it may run while a CUDA graph is being captured."""
+    codes = codes.to(torch.int32)
+    exp, man = ((codes >> 1) & 3).float(), (codes & 1).float()
+    mag = torch.where(exp == 0, 0.5 * man, (1.0 + 0.5 * man) * torch.exp2(exp - 1.0))
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [..., n] -> float32 [..., 2n]; element 2i is the low nibble of byte i."""
-    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).long()   # [..., 2n]
-    return torch.tensor(E2M1_VALUES, device=packed.device)[codes]
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2)           # [..., 2n]
+    return e2m1_decode(codes)
 
 
 def dequantize_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -55,6 +64,9 @@ def quantize_nvfp4_ref(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[tor
     -> (packed uint8 [M, K/2], block scales float8_e4m3fn [M, K/16]).
 
     block_scale = e4m3(min(amax / (6 * global_scale), 448)); code = e2m1(x / (block_scale * global_scale)).
+    NaN: a block holding a NaN (amax is NaN) gets the e4m3 NaN scale (0x7F) and all-zero codes, so it
+    dequantizes to NaN (the NaN stays visible instead of becoming a finite 448-scaled block); +-inf
+    saturates: scale 448, code +-6 for the inf, the block's finite values round to +-0.
     """
     rows, cols = x.shape
     blocks = x.float().reshape(rows, cols // BLOCK_SIZE, BLOCK_SIZE)                    # [M, K/16, 16]

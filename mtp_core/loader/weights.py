@@ -59,10 +59,25 @@ def resolve_dtype(dtype: str, device: str = "cpu", stored: Optional[torch.dtype]
 
 def resolve_keep_quantized(keep_quantized: Optional[bool], device: str = "cpu") -> bool:
     """None (auto) -> FP8 / NVFP4 weights stay packed on a CPU with the native kernels (they dequantize in
-    registers) and are dequantized at load elsewhere."""
+    registers) and on a GPU (where each weight a GPU GEMM serves stays packed, see _served_packed), and
+    are dequantized at load on a CPU without the native kernels."""
     if keep_quantized is not None:
         return keep_quantized
-    return device == "cpu" and native_cpu()
+    return native_cpu() if device == "cpu" else torch.device(device).type == "cuda"
+
+
+def _served_packed(quant, name: str, shape: tuple[int, int], available: set[str], device: str,
+                   dtype: torch.dtype) -> bool:
+    """On a GPU in auto mode: whether a GPU GEMM (choose_linear_kernel, the one decision) serves this packed
+    weight; a weight that would only be dequantized per forward is dequantized once at load instead."""
+    from mtp_core.kernels.dispatch import choose_linear_kernel, linear_target
+    kw = {}
+    if quant.name == "nvfp4":
+        kw["has_input_scale"] = quant.companion_names(name)[2] in available
+    else:
+        kw["block_size"] = tuple(quant.block_size)
+    kernel, _ = choose_linear_kernel(quant.name, shape[0], shape[1], dtype, linear_target(torch.device(device)), **kw)
+    return kernel != "dequant"
 
 
 def _is_ignorable(name: str, num_main_layers: int) -> bool:
@@ -107,6 +122,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     ckpt = open_checkpoint(model_dir)
     quant = detect_quant_format(ckpt.model_dir, ckpt.config.raw)
     torch_dtype = resolve_dtype(dtype, device, checkpoint_dtype(ckpt))
+    auto_gpu = keep_quantized is None and device != "cpu"
     keep_quantized = resolve_keep_quantized(keep_quantized, device)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(ckpt.config)
@@ -127,7 +143,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         target = torch.float32 if keep_fp32 else torch_dtype
         if quant is not None and name in linears:
             sub = {t: tensors[t] for t in names}   # dequantize() also refuses an FP8/FP4 weight without scales
-            if keep_quantized and quant.is_quantized(name, available):
+            if keep_quantized and quant.is_quantized(name, available) and (
+                    not auto_gpu or _served_packed(quant, name, shape, available, device, torch_dtype)):
                 sub = {t: v.clone() for t, v in sub.items()}   # aligned copies that do not pin the file mapping
                 quantized_modules[name[: -len(".weight")]] = quant.make_linear(name, sub, shape, device=device)
                 continue

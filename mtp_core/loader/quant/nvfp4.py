@@ -30,11 +30,12 @@ def e2m1_table() -> torch.Tensor:
     return torch.cat([mags, -mags])
 
 
-def e2m1_pair_table() -> torch.Tensor:
-    """[256, 2] float32: the two values (low nibble, high nibble) of every packed byte."""
-    table = e2m1_table()
-    codes = torch.arange(256)
-    return torch.stack([table[codes & 0x0F], table[codes >> 4]], dim=1)
+def e2m1_pair_table(device: torch.device | str | None = None) -> torch.Tensor:
+    """[256, 2] float32 on `device`: the two values (low nibble, high nibble) of every packed byte. Built with
+    device arithmetic (no host-to-device copy), so it is safe inside a CUDA graph capture."""
+    from mtp_core.kernels.nvfp4_gemm_ref import e2m1_decode
+    codes = torch.arange(256, device=device)
+    return torch.stack([e2m1_decode(codes & 0x0F), e2m1_decode(codes >> 4)], dim=1)
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
@@ -66,7 +67,7 @@ def dequantize_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor, weight_sc
     """weight [N, K/2] uint8, weight_scale [N, K/group] float8_e4m3fn, weight_scale_2 [] float32
     -> [N, K] float32. e2m1 x e4m3 is exact in fp32, so the single rounding is the final x scale_2."""
     n, half_k = weight.shape
-    pairs = e2m1_pair_table()[weight.to(torch.int32)]  # [N, K/2, 2]: (low, high) nibble values
+    pairs = e2m1_pair_table(weight.device)[weight.to(torch.int32)]  # [N, K/2, 2]: (low, high) nibble values
     values = pairs.view(n, -1, group)  # [N, K/group, group]
     values.mul_(weight_scale.to(torch.float32)[:, :, None]).mul_(weight_scale_2.to(torch.float32))
     return values.view(n, 2 * half_k)
