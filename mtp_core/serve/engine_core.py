@@ -30,10 +30,10 @@ SHUTDOWN_MESSAGE = "the server is shutting down; retry later"
 
 
 class _Live:
-    __slots__ = ("seq", "sent", "scheduled")
+    __slots__ = ("seq", "sent", "scheduled", "prompt_sent")
 
     def __init__(self, seq: Sequence) -> None:
-        self.seq, self.sent, self.scheduled = seq, 0, False
+        self.seq, self.sent, self.scheduled, self.prompt_sent = seq, 0, False, False
 
 
 class EngineCore:
@@ -110,13 +110,19 @@ class EngineCore:
     def _publish(self, rid: int, r: _Live, queue_s: Optional[float] = None) -> None:
         seq = r.seq
         new = seq.output_ids[r.sent:]
+        lps = seq.logprobs[r.sent:len(seq.output_ids)] if seq.params.logprobs is not None else None
+        plp = None
+        if seq.params.prompt_logprobs is not None and not r.prompt_sent and (new or seq.is_finished) \
+                and len(seq.prompt_logprobs) == len(seq.prompt_ids):
+            plp, r.prompt_sent = seq.prompt_logprobs, True
         r.sent = len(seq.output_ids)
         self.stats.generation_tokens += len(new)
         if seq.is_finished:
-            self.outputs.append(Output(rid, new, seq.finish_reason or "abort", seq.stats, queue_s))
+            self.outputs.append(Output(rid, new, seq.finish_reason or "abort", seq.stats, queue_s, logprobs=lps,
+                                       prompt_logprobs=plp))
             del self.live[rid]
         elif new or queue_s is not None:
-            self.outputs.append(Output(rid, new, queue_s=queue_s))
+            self.outputs.append(Output(rid, new, queue_s=queue_s, logprobs=lps, prompt_logprobs=plp))
 
     # ---- what goes back --------------------------------------------------------------------------
     def take(self) -> Outputs:

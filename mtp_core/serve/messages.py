@@ -45,6 +45,10 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
     queue_s: Optional[float] = None              # set once: arrival at the engine -> first scheduled step
     error_status: int = 0                        # final output of a failed request: the HTTP status ...
     error: str = ""                              # ... and the one-line message
+    # params.logprobs set: (id, logprob, [(id, logprob)] top) per token of token_ids
+    logprobs: Optional[list[tuple[int, float, list[tuple[int, float]]]]] = None
+    # params.prompt_logprobs set, once (with the first tokens): None for the first prompt token, then per token
+    prompt_logprobs: Optional[list[Optional[tuple[int, float, list[tuple[int, float]]]]]] = None
 
 
 class EngineStats(msgspec.Struct, array_like=True):

@@ -38,17 +38,24 @@ class TextEvent:
     num_tokens: int = 0                          # done: completion tokens (up to a stop string)
     status: int = 200                            # error: the HTTP status ...
     message: str = ""                            # ... and the one-line message
+    logprobs: Optional[list] = None              # (text, logprob, [(text, logprob)] top, id) per token fed
+    prompt_logprobs: Optional[list] = None       # once: None, then the same per prompt token
+    index: int = 0                               # the choice (set when the event is delivered)
 
 
 class RequestState:
     """One request as the API process sees it (fields written by the output thread unless noted)."""
 
     def __init__(self, rid: int, text: OutputText, prompt_len: int, request_id: str, arrival: float,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, index: int = 0, events: Optional[asyncio.Queue] = None,
+                 discard: bool = False) -> None:
         self.rid, self.text, self.prompt_len, self.request_id = rid, text, prompt_len, request_id
+        self.index = index                       # the choice this request answers
+        self.discard = discard                   # echo with max_tokens 0: only the prompt logprobs count
         self.arrival = arrival                   # perf_counter when the HTTP request came in
         self.loop = loop
-        self.events: asyncio.Queue[TextEvent] = asyncio.Queue()
+        # the choices of one HTTP request share one queue; events carry their choice's index
+        self.events: asyncio.Queue[TextEvent] = events if events is not None else asyncio.Queue()
         self.first_t: Optional[float] = None
         self.last_t: Optional[float] = None
         self.abort_reason: Optional[str] = None  # set by either side: client gone, stop string, failed, shutdown
@@ -66,6 +73,7 @@ class OutputProcessor:
         self._thread: Optional[threading.Thread] = None
         self._next_rid = 0
         self.gone = False                        # the engine stopped answering
+        self._names: dict[int, str] = {}         # token id -> its text (logprobs)
 
     # ---- the event loop's side ------------------------------------------------------------------
     def start(self) -> None:
@@ -77,10 +85,12 @@ class OutputProcessor:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def register(self, text: OutputText, prompt_len: int, request_id: str, arrival: float) -> RequestState:
+    def register(self, text: OutputText, prompt_len: int, request_id: str, arrival: float, index: int = 0,
+                 events: Optional[asyncio.Queue] = None, discard: bool = False) -> RequestState:
         with self._lock:
             self._next_rid += 1
-            rs = RequestState(self._next_rid, text, prompt_len, request_id, arrival, asyncio.get_running_loop())
+            rs = RequestState(self._next_rid, text, prompt_len, request_id, arrival, asyncio.get_running_loop(),
+                              index, events, discard)
             self.requests[rs.rid] = rs
         return rs
 
@@ -148,9 +158,13 @@ class OutputProcessor:
             return
         text = rs.text
         delta: dict[str, str] = {}
-        if not (text.stopped or rs.abort_reason == "failed"):
+        lps = plps = None
+        if not (text.stopped or rs.abort_reason == "failed" or rs.discard):
             try:
+                before = text.num_tokens
                 delta = text.feed(out.token_ids)
+                if out.logprobs is not None:     # the tokens the text took (up to a stop string)
+                    lps = self._named(text.tok, out.logprobs[:text.num_tokens - before])
                 if text.stopped or out.finish_reason is not None:
                     for k, v in text.finish().items():
                         delta[k] = delta.get(k, "") + v
@@ -168,9 +182,11 @@ class OutputProcessor:
             if text.stopped and out.finish_reason is None and rs.abort_reason is None:
                 rs.abort_reason = "stop string"
                 self.engine.send(Abort([rs.rid]))
+        if out.prompt_logprobs is not None:
+            plps = [None] + self._named(rs.text.tok, out.prompt_logprobs[1:])
         if out.finish_reason is None:
-            if delta:
-                self._pending.append((rs, TextEvent("delta", delta)))
+            if delta or lps or plps:
+                self._pending.append((rs, TextEvent("delta", delta, logprobs=lps, prompt_logprobs=plps)))
             return
         if text.stopped:
             reason = "stop"
@@ -182,7 +198,19 @@ class OutputProcessor:
         m.e2e.observe(now - rs.arrival)
         log.info("request %s finished (%s): %d prompt + %d completion tokens in %.3f s", rs.request_id, reason,
                  rs.prompt_len, text.num_tokens, now - rs.arrival)
-        self._close(rs, TextEvent("done", delta, reason, out.stats, text.num_tokens))
+        self._close(rs, TextEvent("done", delta, reason, out.stats, 0 if rs.discard else text.num_tokens,
+                                  logprobs=lps, prompt_logprobs=plps))
+
+    def _named(self, tok: Any, entries: list) -> list:
+        """(id, logprob, top) -> (text, logprob, [(text, logprob)], id): each token's own text (special
+        tokens included), decoded once per id."""
+        names = self._names
+        def name(i: int) -> str:
+            s = names.get(i)
+            if s is None:
+                s = names[i] = tok.decode([i], skip_special_tokens=False)
+            return s
+        return [(name(t), lp, [(name(i), v) for i, v in top], t) for t, lp, top in entries]
 
     # ---- both ------------------------------------------------------------------------------------
     def _close(self, rs: RequestState, ev: TextEvent) -> None:
@@ -197,6 +225,7 @@ class OutputProcessor:
         pending, self._pending = self._pending, []
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TextEvent]]] = {}
         for rs, ev in pending:
+            ev.index = rs.index
             by_loop.setdefault(rs.loop, []).append((rs.events, ev))
         for loop, items in by_loop.items():
             try:
