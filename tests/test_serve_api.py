@@ -168,6 +168,50 @@ def test_n_choices_are_seeded_as_vllm_does_and_indexed(servers) -> None:
     assert [ch.message.content for ch in rc.choices] == sc and [ch.index for ch in rc.choices] == [0, 1]
 
 
+def _hits(url: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("mtp_prefix_cache_hits_tokens_total"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no prefix cache counter")
+
+
+@pytest.mark.parametrize("which", ["eagle", "plain"])
+def test_the_choices_of_a_prompt_share_its_blocks(servers, which) -> None:
+    """n = 4: choices 1..3 wait for choice 0's prefill and map the prompt's full blocks (8 tokens each here)
+    from the prefix cache; the texts equal the choices asked for one by one."""
+    url = servers[which]
+    prompt = [(7 * i + 11) % 500 + 7 for i in range(40)]          # 40 tokens: 4 full blocks before the last one
+    kw = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=42, extra_body={"ignore_eos": True})
+    before = _hits(url)
+    r = _client(url).completions.create(n=4, **kw)
+    assert _hits(url) - before >= 3 * 32
+    singles = [_client(url).completions.create(**{**kw, "seed": 42 + j}).choices[0].text for j in range(4)]
+    assert [ch.text for ch in r.choices] == singles
+
+
+def test_a_client_leaving_aborts_every_choice(servers) -> None:
+    """A stream of n = 3 closed after its first chunk: every choice, the ones still waiting for the first's
+    prefill included, leaves the engine and every KV block returns to the pool."""
+    import time
+
+    url = servers["eagle"]
+    prompt = list(range(20, 60))
+    with httpx.stream("POST", url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "n": 3, "stream": True,
+                                                             "max_tokens": 40, "ignore_eos": True}, timeout=60) as r:
+        next(r.iter_lines())
+    deadline = time.monotonic() + 30
+    while True:
+        m = {line.rsplit(" ", 1)[0].split("{")[0]: float(line.rsplit(" ", 1)[1])
+             for line in httpx.get(url + "/metrics", timeout=10).text.splitlines() if line and line[0] != "#"}
+        if m["mtp_num_requests_running"] == m["mtp_num_requests_waiting"] == 0 \
+                and m["mtp_kv_cache_free_blocks"] == m["mtp_kv_cache_total_blocks"]:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+    ok = _client(url).completions.create(model="tiny", prompt=prompt, n=2, max_tokens=2)
+    assert len(ok.choices) == 2
+
+
 def test_prompt_lists_of_strings_and_token_ids(servers) -> None:
     url = servers["eagle"]
     c = _client(url)

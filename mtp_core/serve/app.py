@@ -415,8 +415,13 @@ async def _generate(state: ServerState, request: Request, req: Any, specs: list[
         # best_of candidates are told apart by their position in specs until the best are chosen
         rs = state.outputs.register(text, len(sp.ids), request.state.request_id, arrival, n, queue, sp.discard)
         choices[n] = _Choice(sp, rs)
+    firsts: dict[int, int] = {}              # prompt -> the rid of its first choice
     for c in choices.values():
-        state.engine.send(Add(c.rs.rid, c.spec.ids, c.spec.params))
+        first = firsts.setdefault(c.spec.prompt_index, c.rs.rid)
+        # the prompt's other choices wait for the first one's prefill and map its blocks from the prefix cache
+        # (not with prompt logprobs: they compute every prompt position anyway)
+        after = first if first != c.rs.rid and c.spec.params.prompt_logprobs is None else 0
+        state.engine.send(Add(c.rs.rid, c.spec.ids, c.spec.params, after))
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     prompt_tokens = sum(len(ids) for ids in {sp.prompt_index: sp.ids for sp in specs}.values())
     release = lambda: [_release(state, c.rs) for c in choices.values()]  # noqa: E731

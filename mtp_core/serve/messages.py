@@ -23,6 +23,8 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     rid: int
     prompt_ids: list[int]
     params: SamplingParams
+    after: int = 0           # another choice of the same prompt: admitted once that request's prefill is done,
+                             # so that it maps the prompt's blocks from the prefix cache (0: at once)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
