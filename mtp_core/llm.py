@@ -11,6 +11,7 @@ import torch
 
 from mtp_core.config import LLMConfig
 from mtp_core.engine.engine import Engine
+from mtp_core.structured import GrammarBackend
 from mtp_core.engine.sequence import Sequence
 from mtp_core.loader import load_model
 from mtp_core.sampling import SamplingParams
@@ -50,6 +51,10 @@ class LLM:
             if isinstance(e, int) and e not in eos:
                 eos.append(e)
         self.engine = Engine(self.model, config, eos, self.tokenizer.think_token_ids(), iter_log=iter_log)
+        # structured output: xgrammar over this tokenizer, built on the first guided request
+        tok, vocab = self.tokenizer, self.model.config.vocab_size
+        self.engine.grammar_factory = lambda: GrammarBackend(tok, vocab, eos, self.engine.K + 1,
+                                                             tuple(tok.think_token_ids() or ()))
         # everything built so far lives as long as the engine: keep the cyclic GC from re-scanning it on every
         # collection a decode step's small allocations trigger (measured: ~17% of a native decode call's time)
         gc.collect()

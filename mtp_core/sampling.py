@@ -26,6 +26,9 @@ class SamplingParams:
     # log-probabilities of the target's raw logits: None = off; N = the emitted token's and the top N
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    # structured output (mtp_core/structured.py): (kind, spec), kind json_object | json_schema | regex | choice
+    guided: Optional[tuple[str, str]] = None
+    guided_after_think: bool = False  # the grammar starts after </think> (a reasoning parser is on), else at once
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -52,6 +55,8 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not 0 <= v <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+        if self.guided is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured output (the grammar ends at EOS)")
         for t, b in self.logit_bias.items():
             if not -100.0 <= b <= 100.0:
                 raise ValueError(f"logit_bias must map token ids to values in [-100, 100], got {b} for {t}")
@@ -69,7 +74,8 @@ class SamplingParams:
     @property
     def needs_logits(self) -> bool:
         """The engine must see this request's logits (the fused native / CUDA-graph steps return only tokens)."""
-        return self.processes_logits or self.logprobs is not None or self.prompt_logprobs is not None
+        return (self.processes_logits or self.logprobs is not None or self.prompt_logprobs is not None
+                or self.guided is not None)
 
 
 MAX_LOGPROBS = 20                     # OpenAI's top_logprobs limit

@@ -356,7 +356,14 @@ BAD = [
     ("/v1/chat/completions", {"n": 0}, "n must be in [1, 128]"),
     ("/v1/chat/completions", {"service_tier": "gold"}, "service_tier must be one of"),
     ("/v1/chat/completions", {"audio": {"voice": "x"}}, "audio output is not supported"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format type 'xml' is not supported"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "needs json_schema.schema"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     "cannot be compiled"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one of json, regex, choice"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar is not supported"),
+    ("/v1/completions", {"structured_outputs": {"choice": ["a"]}, "ignore_eos": True}, "ignore_eos cannot be combined"),
     ("/v1/chat/completions", {"presence_penalty": 3}, "presence_penalty must be in [-2, 2]"),
     ("/v1/chat/completions", {"logit_bias": {"x": 1}}, "logit_bias keys must be token ids"),
     ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias values must be in [-100, 100]"),
@@ -382,3 +389,101 @@ def test_bad_values_get_one_line_errors(servers, path, extra, needle) -> None:
     err = r.json()["error"]
     assert needle in err["message"] and "\n" not in err["message"], err
     assert json.dumps(err)
+
+
+# ---- structured output ---------------------------------------------------------------------------------
+
+def _schema(rng) -> dict:
+    props = {}
+    for k in range(rng.randint(1, 4)):
+        kind = rng.choice(["boolean", "enum", "integer", "string", "array"])
+        name = rng.choice(["id", "name", "ok", "size", "tags", "kind", "x", "value"]) + str(k)
+        if kind == "boolean":
+            props[name] = {"type": "boolean"}
+        elif kind == "enum":
+            props[name] = {"enum": rng.sample(["red", "green", "blue", "cat", "dog", 1, 2, True], rng.randint(1, 4))}
+        elif kind == "integer":
+            lo = rng.randint(-50, 50)
+            props[name] = {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
+        elif kind == "string":
+            props[name] = {"type": "string", "maxLength": rng.randint(1, 6)}
+        else:
+            props[name] = {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": rng.randint(0, 3)}
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=["eagle", "vanilla"])
+def test_json_schema_identical_with_and_without_mtp_and_valid(servers, pair) -> None:
+    import random
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    rng = random.Random(3)
+    schemas = [_schema(rng) for _ in range(4)]
+    got = {}
+    for which in pair:
+        c = _client(servers[which])
+        texts = []
+        for i, schema in enumerate(schemas):
+            kw = dict(model="tiny", messages=[{"role": "user", "content": PROMPTS[i % 3]}], max_tokens=80,
+                      temperature=0, response_format={"type": "json_schema",
+                                                      "json_schema": {"name": "t", "schema": schema, "strict": True}})
+            r = c.chat.completions.create(logprobs=True, **kw)
+            text = r.choices[0].message.content
+            jsonschema.validate(json.loads(text), schema)
+            streamed = "".join(ev.choices[0].delta.content or "" for ev in c.chat.completions.create(stream=True, **kw)
+                               if ev.choices)
+            assert streamed == text
+            texts.append((text, [e.logprob for e in r.choices[0].logprobs.content]))
+        obj = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=60,
+                                        temperature=0, response_format={"type": "json_object"})
+        if obj.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(obj.choices[0].message.content), dict)
+        texts.append(obj.choices[0].message.content)
+        got[which] = texts
+    assert got[pair[0]] == got[pair[1]]
+
+
+def test_regex_and_choice_extensions(servers) -> None:
+    import re
+
+    pytest.importorskip("xgrammar")
+    c = _client(servers["eagle"])
+    for n, temp in ((1, 0), (3, 1.0)):
+        r = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=20, temperature=temp, n=n, seed=1,
+                                 extra_body={"structured_outputs": {"regex": "[0-9]{3}-[a-z]{2,4}"}})
+        assert all(re.fullmatch("[0-9]{3}-[a-z]{2,4}", ch.text) for ch in r.choices), r.choices
+        r = c.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=temp, n=n, seed=1,
+                                 extra_body={"structured_outputs": {"choice": ["Paris", "Lyon", "Nice"]}})
+        assert all(ch.text in ("Paris", "Lyon", "Nice") and ch.finish_reason == "stop" for ch in r.choices)
+
+
+def test_100_generated_schemas_at_concurrency_8_all_validate(servers) -> None:
+    """The issue's goal: 100 requests with generated JSON schemas, 8 at a time, MTP on: every output parses and
+    validates against its schema."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    rng = random.Random(100)
+    schemas = [_schema(rng) for _ in range(100)]
+    c = _client(servers["eagle"])
+
+    def one(i: int) -> tuple[dict, str, str]:
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[i % 3] + str(i)}],
+                                      max_tokens=70, temperature=0.7 if i % 2 else 0, seed=i,
+                                      response_format={"type": "json_schema",
+                                                       "json_schema": {"name": f"s{i}", "schema": schemas[i]}})
+        return schemas[i], r.choices[0].message.content, r.choices[0].finish_reason
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(100)))
+    for schema, text, reason in results:
+        assert reason == "stop", text
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise AssertionError(f"{e}: {text!r}") from None
+        jsonschema.validate(obj, schema)
+    assert _accepted(servers["eagle"]) > 0

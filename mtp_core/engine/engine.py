@@ -43,6 +43,7 @@ from mtp_core.speculative.drafter import DraftInput, Drafter, EagleDrafter, Vani
 from mtp_core.speculative.policy import DraftLenPolicy
 from mtp_core.speculative.stats import SpecStats
 from mtp_core.speculative.verifier import VerifyResult, verify
+from mtp_core.structured import GrammarBackend, verify_guided_row
 
 log = logging.getLogger("mtp.engine")
 
@@ -101,6 +102,8 @@ class Engine:
                             and model.native is not None else None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
         self._prepared: Optional[tuple[list[ScheduledRow], AttentionMetadata]] = None
+        self.grammar_factory: Optional[Callable[[], GrammarBackend]] = None   # set by LLM (it has the tokenizer)
+        self.grammars: Optional[GrammarBackend] = None
 
     def _make_policy(self) -> DraftLenPolicy:
         """The draft-length policy (speculative/policy.py). Under tensor / expert parallelism every rank
@@ -174,6 +177,12 @@ class Engine:
             raise ValueError(f"the prompt needs {need} KV slots but the whole KV cache pool holds "
                              f"{self.pool_tokens}; raise kv_cache_config.max_tokens or --kv_cache_fraction")
         seq = Sequence(list(prompt_ids), params, arrival_time=time.perf_counter())
+        if params.guided is not None:
+            if self.grammars is None:
+                if self.grammar_factory is None:
+                    raise ValueError("structured output needs the engine's tokenizer; create the engine through LLM")
+                self.grammars = self.grammar_factory()
+            seq.matcher = self.grammars.matcher(params.guided)        # a bad schema: ValueError
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]             # the first prompt token has no logprob
         if params.seed is not None:
@@ -322,6 +331,12 @@ class Engine:
                                                    rows[i].token_ids[1:] if not rows[i].is_prefill else [], stop_ids)
             res = verify(logits, drafts, [s.params for s in seqs],
                          [self.relaxed if s.in_thinking else None for s in seqs], [s.generator for s in seqs])
+            for b, (i, s) in enumerate(zip(group, seqs)):
+                if s.matcher is not None:      # the grammar's mask at every position, drafts accepted in order
+                    after_think = s.params.guided_after_think and self.think_ids is not None
+                    res.tokens[b] = verify_guided_row(self.grammars, s.matcher, logits[b], drafts[b].tolist(), s.params,
+                                                      s.generator, after_think and s.in_thinking,
+                                                      self.think_ids if after_think else None)
             for i, t in zip(group, res.tokens):
                 tokens[i] = t
                 lp = rows[i].seq.params.logprobs
@@ -435,6 +450,9 @@ class Engine:
                 break
             seq.output_ids.append(tok)
             n += 1
+            if seq.matcher is not None and not (p.guided_after_think and self.think_ids is not None
+                                                and (seq.in_thinking or tok in self.think_ids)):
+                seq.matcher.accept_token(tok)
             if self.think_ids is not None:
                 if tok == self.think_ids[0]:
                     seq.in_thinking = True

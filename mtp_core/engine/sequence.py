@@ -53,6 +53,7 @@ class Sequence:
     # params.logprobs set: one (id, logprob, top) per output token; params.prompt_logprobs set: None for the
     # first prompt token, then one per prompt token (filled by the prefill, which then skips the prefix cache)
     logprobs: list = field(default_factory=list)
+    matcher: Optional[object] = None   # params.guided: the grammar matcher, after every emitted non-thinking token
     prompt_logprobs: list = field(default_factory=list)
     first_token_time: Optional[float] = None
     arrival_time: float = 0.0

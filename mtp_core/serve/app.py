@@ -36,7 +36,7 @@ from mtp_core.serve.metrics import render_metrics
 from mtp_core.serve.outputs import OutputProcessor, RequestState, TextEvent
 from mtp_core.serve.prompts import LARGE_TEXT, PromptEncoder
 from mtp_core.serve.protocol import (MAX_CHOICES, SEED_MAX, APIError, ChatCompletionRequest, CompletionRequest,
-                                     parse_body, short_repr)
+                                     parse_body, short_repr, structured)
 from mtp_core.speculative.stats import SpecStats
 from mtp_core.serve.text import OutputText
 
@@ -234,6 +234,7 @@ def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = No
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling(state, req, max_tokens, len(ids), None,
                            logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        params.guided_after_think = params.guided is not None and state.reasoning_parser is not None
         specs = [_Spec(j, 0, ids, _child(params, j), None, False) for j in range(req.n)]
         return await _generate(state, request, req, specs, chat=True, arrival=arrival)
 
@@ -353,7 +354,8 @@ def _sampling(state: ServerState, req: Any, max_tokens: Optional[int], prompt_le
                                                      else 1.0),
                             logit_bias={int(k): float(v) for k, v in (req.logit_bias or {}).items()},
                             min_tokens=min(req.min_tokens or 0, max_tokens), min_p=float(req.min_p or 0.0),
-                            logprobs=logprobs)
+                            logprobs=logprobs,
+                            guided=req.guided() if hasattr(req, "guided") else structured(req.structured_outputs))
     try:
         params.validate()
     except ValueError as e:

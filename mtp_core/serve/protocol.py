@@ -76,6 +76,7 @@ class _Common(_Strict):
     repetition_penalty: Optional[float] = None   # extension
     min_tokens: Optional[int] = None             # extension
     logit_bias: Optional[dict[str, Union[int, float]]] = None
+    structured_outputs: Optional[dict[str, Any]] = None   # extension (vLLM's): {"json" | "regex" | "choice": ...}
     user: Optional[str] = None                   # ignored
 
     def unsupported(self) -> Optional[tuple[str, str]]:
@@ -195,8 +196,6 @@ class ChatCompletionRequest(_Common):
             return "tool_choice", "tool_choice is not supported; omit it"
         if self.function_call not in (None, "none", "auto"):
             return "function_call", "function_call is not supported; omit it"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format", 'only response_format {"type": "text"} is supported; omit it'
         if self.audio is not None:
             return "audio", "audio output is not supported; omit audio"
         if self.modalities not in (None, ["text"]):
@@ -212,6 +211,60 @@ class ChatCompletionRequest(_Common):
             if v is not None and v not in allowed:
                 return name, f"{name} must be one of {', '.join(allowed)}, got {short_repr(v)}"
         return None
+
+    def guided(self) -> Optional[tuple[str, str]]:
+        """response_format (OpenAI's) or structured_outputs (the extension) as SamplingParams.guided;
+        APIError(400) for a malformed one."""
+        rf = self.response_format
+        if rf is not None and rf.get("type") not in (None, "text"):
+            if self.structured_outputs:
+                raise APIError(400, "send response_format or structured_outputs, not both", param="response_format")
+            kind = rf.get("type")
+            if kind == "json_object":
+                return "json_object", ""
+            if kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON Schema object",
+                                   param="response_format.json_schema")
+                return "json_schema", json.dumps(schema)
+            raise APIError(400, f"response_format type {short_repr(kind)} is not supported; use text, json_object or "
+                                "json_schema", param="response_format.type")
+        return structured(self.structured_outputs)
+
+
+def structured(so: Optional[dict[str, Any]]) -> Optional[tuple[str, str]]:
+    """The structured_outputs extension: exactly one of json (a schema object, or a string of one), regex (a
+    string), choice (a non-empty list of strings)."""
+    if not so:
+        return None
+    keys = [k for k in ("json", "regex", "choice") if so.get(k) is not None]
+    extra = [k for k in so if k not in ("json", "regex", "choice")]
+    if extra:
+        raise APIError(400, f"structured_outputs.{extra[0]} is not supported; use json, regex or choice",
+                       param="structured_outputs")
+    if len(keys) != 1:
+        raise APIError(400, "structured_outputs needs exactly one of json, regex, choice", param="structured_outputs")
+    k, v = keys[0], so[keys[0]]
+    if k == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                raise APIError(400, "structured_outputs.json is not valid JSON", param="structured_outputs.json") \
+                    from None
+        if not isinstance(v, dict):
+            raise APIError(400, "structured_outputs.json must be a JSON Schema object", param="structured_outputs.json")
+        return "json_schema", json.dumps(v)
+    if k == "regex":
+        if not isinstance(v, str) or not v:
+            raise APIError(400, "structured_outputs.regex must be a non-empty string", param="structured_outputs.regex")
+        return "regex", v
+    if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+        raise APIError(400, "structured_outputs.choice must be a non-empty list of non-empty strings",
+                       param="structured_outputs.choice")
+    return "choice", json.dumps(v)
 
 
 _TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
