@@ -220,7 +220,7 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400,
      "n must be in [1, 128]"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function"}]}, 400, "tool calls are not supported"),
+                              "tools": [{"type": "function"}]}, 400, "tools[0] must be {type: function"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                               "max_completion_tokens": 0}, 400, "max_tokens must be >= 1"),
     ("/v1/nothing", {"model": "tiny"}, 404, "no route"),

@@ -372,6 +372,13 @@ BAD = [
     ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty must be in (0, 100]"),
     ("/v1/chat/completions", {"min_p": 1.5}, "min_p must be in [0, 1]"),
     ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens must be >= 0"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice needs tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice auto needs a chat template that renders tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "naming one of the tools (f)"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "bad name"}}],
+                              "tool_choice": "required"}, "tools[0] must be"),
     ("/v1/completions", {"logprobs": 21}, "logprobs must be in [0, 20]"),
     ("/v1/completions", {"best_of": 1, "n": 2}, "best_of (1) must be >= n (2)"),
     ("/v1/completions", {"suffix": "x"}, "suffix"),
@@ -487,3 +494,63 @@ def test_100_generated_schemas_at_concurrency_8_all_validate(servers) -> None:
             raise AssertionError(f"{e}: {text!r}") from None
         jsonschema.validate(obj, schema)
     assert _accepted(servers["eagle"]) > 0
+
+
+# ---- forced tool calls ------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                                "unit": {"enum": ["C", "F"]}, "days": {"type": "integer",
+                                                                                     "minimum": 1, "maximum": 7}},
+                                                "required": ["city", "unit", "days"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=["eagle", "vanilla"])
+def test_forced_tool_calls_identical_with_and_without_mtp(servers, pair) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    got = {}
+    for which in pair:
+        c = _client(servers[which])
+        out = []
+        # (with parallel calls allowed, this random model keeps adding calls until max_tokens: one call here)
+        for choice, parallel, tools in (({"type": "function", "function": {"name": "get_weather"}}, None, [WEATHER, TIME]),
+                                        ("required", False, [WEATHER, TIME]), ("required", False, [TIME])):
+            kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=75,
+                      temperature=0, tools=tools, tool_choice=choice)
+            if parallel is not None:
+                kw["parallel_tool_calls"] = parallel
+            r = c.chat.completions.create(**kw)
+            ch = r.choices[0]
+            assert ch.message.content is None and ch.message.tool_calls, ch
+            assert ch.finish_reason == ("stop" if isinstance(choice, dict) else "tool_calls")
+            for call in ch.message.tool_calls:
+                assert call.type == "function" and call.id.startswith("call_")
+                jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+            if isinstance(choice, dict):
+                assert [t.function.name for t in ch.message.tool_calls] == ["get_weather"]
+            if parallel is False:
+                assert len(ch.message.tool_calls) == 1
+            # streamed: the same calls (named: argument deltas after a first one with the id and name)
+            calls: dict[int, dict] = {}
+            reasons = []
+            for ev in c.chat.completions.create(stream=True, **kw):
+                for chs in ev.choices:
+                    if chs.finish_reason:
+                        reasons.append(chs.finish_reason)
+                    for tc in chs.delta.tool_calls or []:
+                        d = calls.setdefault(tc.index, {"name": None, "arguments": "", "id": None})
+                        d["id"] = d["id"] or tc.id
+                        d["name"] = d["name"] or (tc.function.name if tc.function else None)
+                        d["arguments"] += (tc.function.arguments or "") if tc.function else ""
+            assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == \
+                [(t.function.name, t.function.arguments) for t in ch.message.tool_calls]
+            assert all(d["id"] for d in calls.values()) and reasons == [ch.finish_reason]
+            out.append([(t.function.name, t.function.arguments) for t in ch.message.tool_calls])
+        got[which] = out
+    assert got[pair[0]] == got[pair[1]]

@@ -234,8 +234,16 @@ def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = No
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = _sampling(state, req, max_tokens, len(ids), None,
                            logprobs=(req.top_logprobs or 0) if req.logprobs else None)
+        mode, schema = req.tool_mode(f"the chat template of {state.model_name}")
+        if mode is not None:               # a forced tool call: the grammar makes the output the call's JSON
+            params.guided = ("json_schema", json.dumps(schema))
+            try:
+                params.validate()
+            except ValueError as e:
+                raise APIError(400, str(e), param="tool_choice") from None
         params.guided_after_think = params.guided is not None and state.reasoning_parser is not None
-        specs = [_Spec(j, 0, ids, _child(params, j), None, False) for j in range(req.n)]
+        tool = (mode, req.tool_choice["function"]["name"] if mode == "named" else None) if mode else None
+        specs = [_Spec(j, 0, ids, _child(params, j), None, False, tool) for j in range(req.n)]
         return await _generate(state, request, req, specs, chat=True, arrival=arrival)
 
     # outermost last: guard -> CORS -> request id -> API key -> body limit -> routes
@@ -382,6 +390,7 @@ class _Spec:
     params: SamplingParams
     echo: Optional[str]             # completions with echo: the prompt's text, put before the choice's text
     discard: bool                   # max_tokens 0 (echo): no completion tokens
+    tool: Optional[tuple[str, Optional[str]]] = None   # a forced tool call: ("named", name) | ("required", None)
 
 
 @dataclass
@@ -394,6 +403,7 @@ class _Choice:
     prompt_logprobs: Optional[list] = None
     done: Optional[TextEvent] = None
     offset: int = 0                 # completions logprobs: text_offset of the next token
+    call_id: str = ""               # a forced tool call (named): its id, sent with its first streamed delta
     started: bool = False           # streaming: the choice's first chunk was sent
 
 
@@ -539,6 +549,24 @@ def _first_token_text(c: _Choice) -> str:
     return c.rs.text.tok.decode([c.spec.ids[0]], skip_special_tokens=False)
 
 
+def _call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _tool_calls(tool: tuple[str, Optional[str]], content: str) -> Optional[list[dict]]:
+    """The tool_calls of a forced call's output (the grammar's JSON); None if it does not parse."""
+    mode, name = tool
+    try:
+        data = json.loads(content)
+    except ValueError:
+        return None
+    if mode == "named":
+        return [{"id": _call_id(), "type": "function", "function": {"name": name, "arguments": content}}]
+    return [{"id": _call_id(), "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)}}
+            for c in data]
+
+
 def _best(choices: dict[int, _Choice], req: Any) -> list[_Choice]:
     """The returned choices in OpenAI's order; best_of keeps each prompt's n candidates with the highest
     cumulative logprob (ties to the earlier candidate), as vLLM does."""
@@ -593,6 +621,10 @@ async def _collect(state: ServerState, request: Request, req: Any, queue: asynci
             if state.reasoning_parser:
                 msg["reasoning_content"] = c.text.get("reasoning_content") or None
                 msg["content"] = content or (None if msg["reasoning_content"] else "")
+            calls = _tool_calls(c.spec.tool, content) if c.spec.tool and c.done.finish_reason != "length" else None
+            if calls is not None:
+                msg["content"], msg["tool_calls"] = None, calls
+                reason = "tool_calls" if c.spec.tool[0] == "required" else "stop"     # OpenAI's reasons
             out.append({"index": c.spec.index, "message": msg,
                         "logprobs": _chat_logprobs(c.logprobs) if req.logprobs else None, "finish_reason": reason})
         else:
@@ -612,9 +644,11 @@ def _sse(state: ServerState, req: Any, queue: asyncio.Queue, choices: dict[int, 
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = json.dumps({"id": rid, "object": obj, "created": created, "model": state.model_name})[:-1]
 
-    def chunk(c: _Choice, ev: Optional[TextEvent], reason: Optional[str], first: bool = False) -> str:
+    def chunk(c: _Choice, ev: Optional[TextEvent], reason: Optional[str], first: bool = False,
+              delta: Optional[dict] = None) -> str:
         # hand-assembled (the hot path: one per request per engine step); same JSON as json.dumps would give
-        delta = ev.delta if ev is not None else {}
+        if delta is None:
+            delta = ev.delta if ev is not None else {}
         entries = (ev.logprobs or []) if ev is not None else []
         if chat:
             d: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
@@ -648,10 +682,20 @@ def _sse(state: ServerState, req: Any, queue: asyncio.Queue, choices: dict[int, 
                 yield "data: [DONE]\n\n"
                 return
             c = choices[ev.index]
-            if ev.delta or ev.logprobs or (c.spec.echo is not None and not c.started):
+            reason = _finish_reason(ev)
+            if c.spec.tool:
+                _absorb(c, ev)
+                tool_delta = _tool_delta(c, ev)
+                if tool_delta is not None:
+                    yield chunk(c, ev, None, delta=tool_delta)
+                    if ev.kind == "done" and c.spec.tool[0] == "required" and "tool_calls" in tool_delta:
+                        reason = "tool_calls"
+                elif ev.logprobs:
+                    yield chunk(c, ev, None, delta={})
+            elif ev.delta or ev.logprobs or (c.spec.echo is not None and not c.started):
                 yield chunk(c, ev, None)
             if ev.kind == "done":
-                yield chunk(c, None, _finish_reason(ev))
+                yield chunk(c, None, reason)
                 left -= 1
                 completion_tokens += ev.num_tokens
                 stats.append(ev.stats)
@@ -662,6 +706,27 @@ def _sse(state: ServerState, req: Any, queue: asyncio.Queue, choices: dict[int, 
         yield "data: [DONE]\n\n"
 
     return gen()
+
+
+def _tool_delta(c: _Choice, ev: TextEvent) -> Optional[dict]:
+    """A forced tool call, streamed: a named call's arguments as they come (OpenAI's tool_calls deltas: the
+    first with the id, type and name); `required` calls whole, once the output is complete."""
+    mode, name = c.spec.tool
+    piece = ev.delta.get("content", "")
+    if mode == "named":
+        if not piece:
+            return None
+        if not c.call_id:
+            c.call_id = _call_id()
+            return {"tool_calls": [{"index": 0, "id": c.call_id, "type": "function",
+                                    "function": {"name": name, "arguments": piece}}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+    if ev.kind != "done":
+        return None
+    calls = _tool_calls(c.spec.tool, c.text.get("content", "")) if ev.finish_reason != "length" else None
+    if calls is None:                          # cut short by max_tokens: the text as it is
+        return {"content": c.text.get("content", "")} if c.text.get("content") else None
+    return {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
 
 
 def _data(obj: dict) -> str:

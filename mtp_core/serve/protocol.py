@@ -2,8 +2,8 @@
 
 Bodies are parsed with pydantic in strict mode (`"5"` is not an integer, `5.0` is not an integer; an integer
 is a valid float). Every field of OpenAI's API reference for the two endpoints is accepted; a field no API
-defines is a 400 that names it. Fields that ask for something this server cannot do (audio, tools,
-structured output, `suffix`, ...) are accepted at their neutral value only; any other value is a 400 that
+defines is a 400 that names it. Fields that ask for something this server cannot do (audio, `suffix`,
+`tool_choice: auto`, ...) are accepted at their neutral value only; any other value is a 400 that
 says what to send instead. Fields with no meaning here (`user`, `store`, `metadata`, `service_tier`,
 `reasoning_effort`, ...) are accepted and ignored (docs/serving.md lists them). Extensions (vLLM's names):
 `top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
@@ -12,6 +12,7 @@ says what to send instead. Fields with no meaning here (`user`, `store`, `metada
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -162,7 +163,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None   # ignored (no tools)
+    parallel_tool_calls: Optional[bool] = None   # tool_choice required: false = exactly one call
     functions: Optional[list[Any]] = None        # deprecated by OpenAI for tools
     function_call: Optional[Union[str, dict[str, Any]]] = None
     response_format: Optional[dict[str, Any]] = None
@@ -188,12 +189,8 @@ class ChatCompletionRequest(_Common):
                 return "top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {short_repr(self.top_logprobs)}"
             if not self.logprobs:
                 return "top_logprobs", "top_logprobs needs logprobs: true"
-        if self.tools:
-            return "tools", "tool calls are not supported; omit tools"
         if self.functions:
-            return "functions", "function calls are not supported; omit functions"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice is not supported; omit it"
+            return "functions", "functions (deprecated) are not supported; send tools"
         if self.function_call not in (None, "none", "auto"):
             return "function_call", "function_call is not supported; omit it"
         if self.audio is not None:
@@ -211,6 +208,52 @@ class ChatCompletionRequest(_Common):
             if v is not None and v not in allowed:
                 return name, f"{name} must be one of {', '.join(allowed)}, got {short_repr(v)}"
         return None
+
+    def tool_mode(self, template: str) -> tuple[Optional[str], Optional[dict]]:
+        """(None | "named" | "required", the JSON schema the output must follow) for tools + tool_choice.
+
+        A named function and `required` work with any chat template: the grammar forces a call (named: its
+        arguments object; required: a list of {"name", "parameters"} calls). `auto` needs a template that renders
+        tools and a parser for its format: a 400 naming the template here. `none` (or no tools): plain text."""
+        tools = self.tools or []
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if choice == "none":
+            return None, None
+        if not tools:
+            raise APIError(400, "tool_choice needs tools; send tools or omit tool_choice", param="tool_choice")
+        fns: dict[str, dict] = {}
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(name, str) \
+                    or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+                raise APIError(400, f"tools[{i}] must be {{type: function, function: {{name, parameters}}}} with a name "
+                                    "of 1-64 letters, digits, _ . -", param=f"tools[{i}]")
+            params = fn.get("parameters", {"type": "object", "properties": {}})
+            if not isinstance(params, dict):
+                raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object",
+                               param=f"tools[{i}].function.parameters")
+            fns[name] = params
+        if self.response_format is not None and self.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "send response_format or a forced tool_choice, not both", param="response_format")
+        if choice == "auto":
+            raise APIError(400, f"tool_choice auto needs a chat template that renders tools and a tool-call parser; "
+                                f"{short_repr(template)} has neither; send tool_choice required or a named function",
+                           param="tool_choice")
+        if choice == "required":
+            calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                                "required": ["name", "parameters"], "additionalProperties": False}
+                               for n, p in fns.items()]}
+            schema = {"type": "array", "items": calls, "minItems": 1}
+            if self.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+            return "required", schema
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or name not in fns:
+            raise APIError(400, f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}} "
+                                f"naming one of the tools ({', '.join(fns)}), got {short_repr(choice)}",
+                           param="tool_choice")
+        return "named", fns[name]
 
     def guided(self) -> Optional[tuple[str, str]]:
         """response_format (OpenAI's) or structured_outputs (the extension) as SamplingParams.guided;
