@@ -33,6 +33,9 @@ class RequestOutput:
     stats: SpecStats = field(default_factory=SpecStats)
     ttft_s: Optional[float] = None
     e2e_s: Optional[float] = None
+    # SamplingParams.logprobs / prompt_logprobs: (id, logprob, [(id, logprob)] top) per token (prompt: None first)
+    logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list] = None
 
 
 class LLM:
@@ -86,7 +89,9 @@ class LLM:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
         e2e = seq.finish_time - seq.arrival_time if seq.finish_time else None
         return RequestOutput(prompt if isinstance(prompt, str) else "", seq.prompt_ids, list(seq.output_ids),
-                             self.tokenizer.decode(seq.output_ids), seq.finish_reason, seq.stats, ttft, e2e)
+                             self.tokenizer.decode(seq.output_ids), seq.finish_reason, seq.stats, ttft, e2e,
+                             list(seq.logprobs) if seq.params.logprobs is not None else None,
+                             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: Seq[Prompt], params: Union[SamplingParams, Seq[SamplingParams], None] = None,

@@ -554,3 +554,33 @@ def test_forced_tool_calls_identical_with_and_without_mtp(servers, pair) -> None
             out.append([(t.function.name, t.function.arguments) for t in ch.message.tool_calls])
         got[which] = out
     assert got[pair[0]] == got[pair[1]]
+
+
+def test_structured_output_after_the_reasoning_on_the_shipped_model() -> None:
+    """The shipped R1-style model with --reasoning_parser deepseek-r1 and MTP K=3: the reasoning is free, the
+    answer after </think> follows the schema, and logprobs and tokens equal the offline run without MTP."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    from cli.common import DEFAULT_MODEL_DIR
+    from mtp_core.sampling import SamplingParams
+
+    kw = dict(max_seq_len=512, max_batch_size=4, max_tokens_kv=4096, tokens_per_block=16)
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 10000}},
+              "required": ["answer"], "additionalProperties": False}
+    question = "What is 347 + 285?"
+    offline = LLM(llm_config(DEFAULT_MODEL_DIR, 0, **kw))
+    want = offline.generate([question], SamplingParams(max_tokens=400, logprobs=0, guided_after_think=True,
+                                                       guided=("json_schema", json.dumps(schema))),
+                            apply_chat_template=True)[0]
+    app = build_app(LLM(llm_config(DEFAULT_MODEL_DIR, 3, **kw)), "tiny-r1", reasoning_parser="deepseek-r1")
+    with server_in_thread(app) as url:
+        r = _client(url).chat.completions.create(
+            model="tiny-r1", messages=[{"role": "user", "content": question}], max_tokens=400, temperature=0,
+            logprobs=True, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+        assert _accepted(url) > 0
+    msg = r.choices[0].message
+    assert r.choices[0].finish_reason == "stop" and msg.reasoning_content.strip()
+    jsonschema.validate(json.loads(msg.content), schema)
+    assert [e.logprob for e in r.choices[0].logprobs.content] == [e[1] for e in want.logprobs]
+    end = offline.tokenizer.think_token_ids()[1]
+    assert end in want.token_ids and want.text.endswith(msg.content)
