@@ -115,6 +115,12 @@ def test_engine_process_carries_logprobs_penalties_and_choices(proc, servers_def
     assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
     assert got["choices"] == ref["choices"] and got["usage"] == ref["usage"]
     assert got["choices"][0]["logprobs"]["token_logprobs"][0] is None
+    pytest.importorskip("xgrammar")
+    guided = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0,
+              "structured_outputs": {"regex": "[a-z]{3,6}-[0-9]{2}"}}
+    got = _post(url, guided).json()
+    assert got["choices"] == httpx.post(ref_url + "/v1/completions", json=guided, timeout=60).json()["choices"]
+    assert re.fullmatch("[a-z]{3,6}-[0-9]{2}", got["choices"][0]["text"]), got
 
 
 # ---- API key, CORS, X-Request-Id -----------------------------------------------------------------------

@@ -46,6 +46,7 @@ from mtp_core.speculative.verifier import VerifyResult, verify
 from mtp_core.structured import GrammarBackend, verify_guided_row
 
 log = logging.getLogger("mtp.engine")
+_STRICT = SamplingParams()
 
 
 class Engine:
@@ -329,8 +330,10 @@ class Engine:
                                                                    else sorted(self.eos_token_ids))
                         logits[b] = process_logits(logits[b], s.params, s.prompt_ids, s.output_ids,
                                                    rows[i].token_ids[1:] if not rows[i].is_prefill else [], stop_ids)
-            res = verify(logits, drafts, [s.params for s in seqs],
-                         [self.relaxed if s.in_thinking else None for s in seqs], [s.generator for s in seqs])
+            # (a guided row is verified below; here it is a cheap strict row that draws nothing from its generator)
+            res = verify(logits, drafts, [s.params if s.matcher is None else _STRICT for s in seqs],
+                         [self.relaxed if s.in_thinking and s.matcher is None else None for s in seqs],
+                         [s.generator if s.matcher is None else None for s in seqs])
             for b, (i, s) in enumerate(zip(group, seqs)):
                 if s.matcher is not None:      # the grammar's mask at every position, drafts accepted in order
                     after_think = s.params.guided_after_think and self.think_ids is not None
