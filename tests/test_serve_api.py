@@ -584,3 +584,33 @@ def test_structured_output_after_the_reasoning_on_the_shipped_model() -> None:
     assert [e.logprob for e in r.choices[0].logprobs.content] == [e[1] for e in want.logprobs]
     end = offline.tokenizer.think_token_ids()[1]
     assert end in want.token_ids and want.text.endswith(msg.content)
+
+
+def test_langchain_structured_output_both_methods(servers) -> None:
+    """LangChain's ChatOpenAI against the MTP server: with_structured_output by json_schema and by function calling
+    (a named tool_choice) both return a validated object, the same as without MTP; bind_tools (tool_choice auto)
+    is the 400 that names the template."""
+    pytest.importorskip("xgrammar")
+    lc = pytest.importorskip("langchain_openai")
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog", "fish"]
+        age: int = Field(ge=0, le=30)
+        indoor: bool
+
+    got = {}
+    for which in ("plain", "eagle"):
+        llm = lc.ChatOpenAI(base_url=servers[which] + "/v1", api_key="unused", model="tiny", temperature=0,
+                            max_tokens=70, max_retries=0, timeout=60)
+        out = []
+        for method in ("json_schema", "function_calling"):
+            pet = llm.with_structured_output(Pet, method=method).invoke("Describe a pet.")
+            assert isinstance(pet, Pet)
+            out.append(pet.model_dump())
+        got[which] = out
+        with pytest.raises(openai.BadRequestError, match="tool_choice auto needs a chat template"):
+            llm.bind_tools([Pet]).invoke("Describe a pet.")
+    assert got["plain"] == got["eagle"]
