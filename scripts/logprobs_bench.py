@@ -1,6 +1,8 @@
-"""The cost of logprobs (and of a penalty) at batch 1 on the shipped model with MTP: offline output tokens/s
-of greedy decoding without logprobs, with `logprobs=5`, and with `frequency_penalty`, alternating, and
-whether the tokens are the same (they must be).
+"""The cost of logprobs, a penalty and a grammar at batch 1 on the shipped model with MTP: offline output
+tokens/s and acceptance length (AL) of greedy decoding without any, with `logprobs=5`, with
+`frequency_penalty`, with a loose regex grammar (`[^{}]*`: the mask's cost, the text mostly unchanged) and
+with a JSON object grammar, alternating; and whether the tokens equal the plain run's (logprobs and the loose
+grammar must not change them).
 
     python3 scripts/logprobs_bench.py [--model_dir DIR] [--tokens 256] [--repeats 3] [--draft_len 3]
 
@@ -37,22 +39,29 @@ def main() -> None:
     llm = LLM(cfg)
     kinds = {"plain": SamplingParams(max_tokens=a.tokens, ignore_eos=True),
              "logprobs=5": SamplingParams(max_tokens=a.tokens, ignore_eos=True, logprobs=5),
-             "frequency_penalty=0.5": SamplingParams(max_tokens=a.tokens, ignore_eos=True, frequency_penalty=0.5)}
-    llm.generate([PROMPT], SamplingParams(max_tokens=8))                     # warm-up
+             "frequency_penalty=0.5": SamplingParams(max_tokens=a.tokens, ignore_eos=True, frequency_penalty=0.5),
+             "regex [^{}]*": SamplingParams(max_tokens=a.tokens, guided=("regex", "[^{}]*")),
+             "json_object": SamplingParams(max_tokens=a.tokens, guided=("json_object", ""))}
+    for sp in kinds.values():                      # warm-up (the grammar backend is built on first use)
+        llm.generate([PROMPT], SamplingParams(**{**sp.__dict__, "max_tokens": 8}))
     times: dict[str, list[float]] = {k: [] for k in kinds}
     tokens: dict[str, list[int]] = {}
+    al: dict[str, float] = {}
     for _ in range(a.repeats):
         for name, sp in kinds.items():
             t0 = time.perf_counter()
             out = llm.generate([PROMPT], sp)[0]
             times[name].append(len(out.token_ids) / (time.perf_counter() - t0))
             tokens[name] = out.token_ids
+            al[name] = out.stats.num_output_tokens / max(out.stats.num_steps, 1)
     base = statistics.median(times["plain"])
-    print(f"{'request':<24} {'tokens/s (median)':>18} {'vs plain':>9}  same tokens")
+    print(f"{'request':<24} {'tokens/s (median)':>18} {'vs plain':>9} {'AL':>6}  same tokens")
     for name in kinds:
         med = statistics.median(times[name])
-        same = "yes" if tokens[name] == tokens["plain"] else ("n/a" if "penalty" in name else "NO")
-        print(f"{name:<24} {med:>18.1f} {med / base - 1:>+8.1%}  {same}")
+        n = min(len(tokens[name]), len(tokens["plain"]))
+        same = "yes" if tokens[name][:n] == tokens["plain"][:n] else \
+            ("n/a" if "penalty" in name or "json" in name else "NO")
+        print(f"{name:<24} {med:>18.1f} {med / base - 1:>+8.1%} {al[name]:>6.2f}  {same}")
 
 
 if __name__ == "__main__":
