@@ -1,6 +1,7 @@
 """The OpenAI API surface of `mtp serve` beyond plain text, exact under MTP: logprobs (chat and completions,
 streamed, echo with prompt logprobs), n / best_of / prompt lists, penalties, stop_token_ids,
-include_stop_str_in_output, role developer, /v1/models/{id}, the accepted-and-ignored fields.
+include_stop_str_in_output, role developer, /v1/models/{id}, the accepted-and-ignored fields, structured output
+(response_format, structured_outputs), forced tool calls, LangChain's with_structured_output.
 
 Three servers on the tiny checkpoints: MTP Eagle K=2, MTP Vanilla K=3 and no speculation; with
 `temperature: 0` every one must give the same text and bitwise the same logprobs (JSON floats round-trip
