@@ -55,8 +55,9 @@ class LLM:
                 eos.append(e)
         self.engine = Engine(self.model, config, eos, self.tokenizer.think_token_ids(), iter_log=iter_log)
         # structured output: xgrammar over this tokenizer, built on the first guided request
-        tok, vocab = self.tokenizer, self.model.config.vocab_size
-        self.engine.grammar_factory = lambda: GrammarBackend(tok, vocab, eos, self.engine.K + 1,
+        # (no reference to self: the engine is frozen below, and a cycle through it would keep this LLM alive)
+        tok, vocab, rollback = self.tokenizer, self.model.config.vocab_size, self.engine.K + 1
+        self.engine.grammar_factory = lambda: GrammarBackend(tok, vocab, eos, rollback,
                                                              tuple(tok.think_token_ids() or ()))
         # everything built so far lives as long as the engine: keep the cyclic GC from re-scanning it on every
         # collection a decode step's small allocations trigger (measured: ~17% of a native decode call's time)
