@@ -499,9 +499,9 @@ def _absorb(c: _Choice, ev: TextEvent) -> None:
 
 def _chat_logprobs(entries: list) -> dict:
     """OpenAI's chat logprobs object: content, one entry per token (its text, bytes, top_logprobs)."""
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")),
-                         "top_logprobs": [{"token": u, "logprob": v, "bytes": list(u.encode("utf-8"))}
-                                          for u, v in top]} for t, lp, top, _ in entries],
+    return {"content": [{"token": t, "logprob": lp, "bytes": raw,
+                         "top_logprobs": [{"token": u, "logprob": v, "bytes": ub} for u, v, ub in top]}
+                        for t, lp, top, _, raw in entries],
             "refusal": None}
 
 
@@ -513,11 +513,11 @@ def _completion_logprobs(entries: list, offset: int, top_n: int) -> tuple[dict, 
     for e in entries:
         if e is None:
             continue
-        t, lp, top, _ = e
+        t, lp, top = e[0], e[1], e[2]
         out["tokens"].append(t)
         out["token_logprobs"].append(lp)
         d: dict[str, float] = {}
-        for u, v in top[:top_n]:
+        for u, v, _ in top[:top_n]:
             d.setdefault(u, v)          # two ids with the same text: the likelier one's value
         d.setdefault(t, lp)
         out["top_logprobs"].append(d)

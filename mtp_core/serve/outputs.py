@@ -38,7 +38,7 @@ class TextEvent:
     num_tokens: int = 0                          # done: completion tokens (up to a stop string)
     status: int = 200                            # error: the HTTP status ...
     message: str = ""                            # ... and the one-line message
-    logprobs: Optional[list] = None              # (text, logprob, [(text, logprob)] top, id) per token fed
+    logprobs: Optional[list] = None              # per token fed: (text, logprob, top, id, bytes)
     prompt_logprobs: Optional[list] = None       # once: None, then the same per prompt token
     index: int = 0                               # the choice (set when the event is delivered)
 
@@ -202,15 +202,22 @@ class OutputProcessor:
                                   logprobs=lps, prompt_logprobs=plps))
 
     def _named(self, tok: Any, entries: list) -> list:
-        """(id, logprob, top) -> (text, logprob, [(text, logprob)], id): each token's own text (special
-        tokens included), decoded once per id."""
+        """(id, logprob, top) -> (text, logprob, [(text, logprob, bytes)], id, bytes): each token's own text
+        (special tokens included) and its bytes (a byte-level token's raw bytes, so a piece of a multi-byte
+        character keeps them), computed once per id."""
         names = self._names
-        def name(i: int) -> str:
-            s = names.get(i)
-            if s is None:
-                s = names[i] = tok.decode([i], skip_special_tokens=False)
-            return s
-        return [(name(t), lp, [(name(i), v) for i, v in top], t) for t, lp, top in entries]
+
+        def name(i: int) -> tuple[str, list[int]]:
+            got = names.get(i)
+            if got is None:
+                got = names[i] = (tok.decode([i], skip_special_tokens=False), _token_bytes(tok, i))
+            return got
+
+        out = []
+        for t, lp, top in entries:
+            text, raw = name(t)
+            out.append((text, lp, [(*name(i)[:1], v, name(i)[1]) for i, v in top], t, raw))
+        return out
 
     # ---- both ------------------------------------------------------------------------------------
     def _close(self, rs: RequestState, ev: TextEvent) -> None:
@@ -232,6 +239,37 @@ class OutputProcessor:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:     # that event loop is closed (shutdown): nobody is listening any more
                 pass
+
+
+_BYTE_OF: Optional[dict[str, int]] = None
+
+
+def _byte_of() -> dict[str, int]:
+    """Byte-level BPE's alphabet -> the byte each character stands for: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the characters from U+0100 on, in byte order."""
+    global _BYTE_OF
+    if _BYTE_OF is None:
+        same = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+        table = {chr(b): b for b in same}
+        shifted = [b for b in range(256) if b not in table.values()]
+        table.update({chr(0x100 + n): b for n, b in enumerate(shifted)})
+        _BYTE_OF = table
+    return _BYTE_OF
+
+
+def _token_bytes(tok: Any, i: int) -> list[int]:
+    """The bytes of token i: a byte-level vocabulary entry mapped back to its bytes; an added token (or any other
+    tokenizer) gives its text's UTF-8."""
+    backend = getattr(tok, "_tok", None)
+    text = tok.decode([i], skip_special_tokens=False)
+    if backend is None or type(getattr(backend, "decoder", None)).__name__ != "ByteLevel" \
+            or i in backend.get_added_tokens_decoder():
+        return list(text.encode("utf-8"))
+    piece = backend.id_to_token(i)
+    table = _byte_of()
+    if piece is None or any(c not in table for c in piece):
+        return list(text.encode("utf-8"))
+    return [table[c] for c in piece]
 
 
 def _deliver(items: list[tuple[asyncio.Queue, TextEvent]]) -> None:
