@@ -30,7 +30,11 @@ setup(
                       "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27",    # `mtp serve`, `mtp bench --base_url`
                       "msgspec>=0.18"],                                     # serve: API <-> engine process messages
     extras_require={
-        "test": ["pytest", "hypothesis", "transformers>=4.57", "openai>=1.40", "httpx>=0.27"],
+        "test": ["pytest", "hypothesis", "transformers>=4.57", "openai>=1.40", "httpx>=0.27", "jsonschema",
+                 "langchain-openai", "xgrammar>=0.1.25"],
+        # serve: response_format json_object / json_schema, structured_outputs (xgrammar depends on torch: install
+        # it with --no-deps next to the torch you have, plus apache-tvm-ffi, numpy, pydantic)
+        "structured": ["xgrammar>=0.1.25", "transformers>=4.57"],
         "peers": ["transformers>=4.57"],
         "plot": ["matplotlib"],
         "gpu": ["deep_gemm"],

@@ -11,6 +11,7 @@ import torch
 
 from mtp_core.config import LLMConfig
 from mtp_core.engine.engine import Engine
+from mtp_core.structured import GrammarBackend
 from mtp_core.engine.sequence import Sequence
 from mtp_core.loader import load_model
 from mtp_core.sampling import SamplingParams
@@ -32,6 +33,9 @@ class RequestOutput:
     stats: SpecStats = field(default_factory=SpecStats)
     ttft_s: Optional[float] = None
     e2e_s: Optional[float] = None
+    # SamplingParams.logprobs / prompt_logprobs: (id, logprob, [(id, logprob)] top) per token (prompt: None first)
+    logprobs: Optional[list] = None
+    prompt_logprobs: Optional[list] = None
 
 
 class LLM:
@@ -50,6 +54,11 @@ class LLM:
             if isinstance(e, int) and e not in eos:
                 eos.append(e)
         self.engine = Engine(self.model, config, eos, self.tokenizer.think_token_ids(), iter_log=iter_log)
+        # structured output: xgrammar over this tokenizer, built on the first guided request
+        # (no reference to self: the engine is frozen below, and a cycle through it would keep this LLM alive)
+        tok, vocab, rollback = self.tokenizer, self.model.config.vocab_size, self.engine.K + 1
+        self.engine.grammar_factory = lambda: GrammarBackend(tok, vocab, eos, rollback,
+                                                             tuple(tok.think_token_ids() or ()))
         # everything built so far lives as long as the engine: keep the cyclic GC from re-scanning it on every
         # collection a decode step's small allocations trigger (measured: ~17% of a native decode call's time)
         gc.collect()
@@ -81,7 +90,9 @@ class LLM:
         ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
         e2e = seq.finish_time - seq.arrival_time if seq.finish_time else None
         return RequestOutput(prompt if isinstance(prompt, str) else "", seq.prompt_ids, list(seq.output_ids),
-                             self.tokenizer.decode(seq.output_ids), seq.finish_reason, seq.stats, ttft, e2e)
+                             self.tokenizer.decode(seq.output_ids), seq.finish_reason, seq.stats, ttft, e2e,
+                             list(seq.logprobs) if seq.params.logprobs is not None else None,
+                             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: Seq[Prompt], params: Union[SamplingParams, Seq[SamplingParams], None] = None,

@@ -16,6 +16,19 @@ class SamplingParams:
     seed: Optional[int] = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    # logits processing (see process_logits), applied per position of a verify row
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0               # EOS and stop_token_ids are masked until this many tokens were emitted
+    min_p: float = 0.0                # sampling only: drop tokens below min_p x the top probability
+    # log-probabilities of the target's raw logits: None = off; N = the emitted token's and the top N
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
+    # structured output (mtp_core/structured.py): (kind, spec), kind json_object | json_schema | regex | choice
+    guided: Optional[tuple[str, str]] = None
+    guided_after_think: bool = False  # the grammar starts after </think> (a reasoning parser is on), else at once
 
     def validate(self) -> None:
         if self.max_tokens < 1:
@@ -26,15 +39,115 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
+        if self.guided is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured output (the grammar ends at EOS)")
+        for t, b in self.logit_bias.items():
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias must map token ids to values in [-100, 100], got {b} for {t}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def processes_logits(self) -> bool:
+        """Some logits processing changes the target's choice (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def needs_logits(self) -> bool:
+        """The engine must see this request's logits (the fused native / CUDA-graph steps return only tokens)."""
+        return (self.processes_logits or self.logprobs is not None or self.prompt_logprobs is not None
+                or self.guided is not None)
+
+
+MAX_LOGPROBS = 20                     # OpenAI's top_logprobs limit
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                   drafts: list[int], stop_ids: list[int]) -> torch.Tensor:
+    """logits [N, V] of one row's positions -> the processed logits [N, V] (float32) the choice is made from.
+
+    Position i continues prompt_ids + output_ids + drafts[:i]: it sees the token counts after the drafts
+    before it, exactly what plain decoding sees at that position once those drafts are accepted. In order
+    (vLLM's): min_tokens masks EOS and stop_token_ids while fewer than min_tokens are emitted; logit_bias is
+    added; the repetition penalty divides a positive logit (multiplies a negative one) of every token seen in
+    the prompt or the output; the frequency penalty subtracts count x penalty and the presence penalty
+    subtracts the penalty once, over the output tokens.
+
+    Worked example (V = 4, repetition 1 off, frequency 1.0, output [2], drafts [2]): logits [[1, 1, 3, 0],
+    [1, 1, 3, 0]] -> position 0 counts {2: 1}: [1, 1, 2, 0]; position 1 counts {2: 2}: [1, 1, 1, 0]."""
+    N, V = logits.shape
+    x = logits.float().clone()
+    p = params
+    counts = torch.zeros(V, dtype=torch.float32, device=x.device)
+    if output_ids:
+        counts += torch.bincount(torch.tensor(output_ids, dtype=torch.long, device=x.device), minlength=V)[:V]
+    in_prompt = None
+    if p.repetition_penalty != 1.0:
+        in_prompt = torch.zeros(V, dtype=torch.bool, device=x.device)
+        in_prompt[torch.tensor(prompt_ids, dtype=torch.long, device=x.device)] = True
+    bias_ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=x.device) if p.logit_bias else None
+    bias_vals = torch.tensor(list(p.logit_bias.values()), dtype=torch.float32, device=x.device) if p.logit_bias \
+        else None
+    stops = [t for t in stop_ids if 0 <= t < V]
+    for i in range(N):
+        if i:
+            counts[drafts[i - 1]] += 1
+        row = x[i]
+        if p.min_tokens and len(output_ids) + i < p.min_tokens and stops:
+            row[stops] = float("-inf")
+        if bias_ids is not None:
+            row.index_add_(0, bias_ids, bias_vals)
+        if in_prompt is not None:
+            seen = in_prompt | (counts > 0)
+            row.copy_(torch.where(seen, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty),
+                                  row))
+        if p.frequency_penalty:
+            row -= p.frequency_penalty * counts
+        if p.presence_penalty:
+            row -= p.presence_penalty * (counts > 0).float()
+    return x
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """logits [>= len(tokens), V] (raw) -> per token: (id, log-probability, the top_n (id, log-probability)),
+    position j scoring tokens[j]. Log-softmax in float32; the top ones by value, ties to the lower id."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits[:len(tokens)].float(), dim=-1)
+    chosen = lp.gather(-1, torch.tensor(tokens, dtype=torch.long, device=lp.device).view(-1, 1)).view(-1).tolist()
+    tops: list[list[tuple[int, float]]] = [[] for _ in tokens]
+    if top_n:
+        vals, ids = lp.topk(min(top_n, lp.shape[-1]), dim=-1, sorted=True)
+        for j, (v, i) in enumerate(zip(vals.tolist(), ids.tolist())):
+            tops[j] = sorted(zip(i, v), key=lambda e: (-e[1], e[0]))
+    return [(t, c, top) for t, c, top in zip(tokens, chosen, tops)]
+
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [N, V] -> the request's sampling distribution [N, V] (temperature, top-k, top-p)."""
     x = logits.float() / params.temperature
+    if params.min_p > 0:
+        p0 = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p0 < params.min_p * p0.max(-1, keepdim=True).values, float("-inf"))
     if params.top_k and params.top_k < x.shape[-1]:
         kth = x.topk(params.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -198,8 +198,8 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "x " * 80}, 400, "shorten the prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": list(range(7, 7 + MAX_SEQ_LEN))}, 400, "shorten the prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 500}, 400, "lower max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n=2 is not supported"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 200}, 400, "n must be in [1, 128]"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of (2) must be >= n (3)"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "unrecognized request argument: frobnicate"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens must be an integer"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5.5}, 400, "max_tokens must be an integer"),
@@ -217,10 +217,10 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "tool", "content": "hi"}]}, 400,
      "unsupported chat role tool"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 4}, 400,
-     "n=4 is not supported"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400,
+     "n must be in [1, 128]"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function"}]}, 400, "tool calls are not supported"),
+                              "tools": [{"type": "function"}]}, 400, "tools[0] must be {type: function"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                               "max_completion_tokens": 0}, 400, "max_tokens must be >= 1"),
     ("/v1/nothing", {"model": "tiny"}, 404, "no route"),
@@ -245,8 +245,8 @@ def test_openai_client_raises_typed_errors(servers) -> None:
     client = _client(servers["mtp"])
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="x", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
-        client.completions.create(model="tiny", prompt="x", max_tokens=2, n=3)
+    with pytest.raises(openai.BadRequestError, match=r"n must be in \[1, 128\]"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, n=300)
 
 
 # ---- cancellation -----------------------------------------------------------------------------

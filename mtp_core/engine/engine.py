@@ -37,14 +37,16 @@ from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, plan_num_blocks
 from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
 from mtp_core.model import DeepseekV3ForCausalLM
-from mtp_core.sampling import SamplingParams
+from mtp_core.sampling import SamplingParams, process_logits, token_logprobs
 from mtp_core.speculative.adaptive import MAX_MTP_LAG
 from mtp_core.speculative.drafter import DraftInput, Drafter, EagleDrafter, VanillaDrafter
 from mtp_core.speculative.policy import DraftLenPolicy
 from mtp_core.speculative.stats import SpecStats
 from mtp_core.speculative.verifier import VerifyResult, verify
+from mtp_core.structured import GrammarBackend, verify_guided_row
 
 log = logging.getLogger("mtp.engine")
+_STRICT = SamplingParams()
 
 
 class Engine:
@@ -100,6 +102,8 @@ class Engine:
                             and model.native is not None else None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
         self._prepared: Optional[tuple[list[ScheduledRow], AttentionMetadata]] = None
+        self.grammar_factory: Optional[Callable[[], GrammarBackend]] = None   # set by LLM (it has the tokenizer)
+        self.grammars: Optional[GrammarBackend] = None
 
     def _make_policy(self) -> DraftLenPolicy:
         """The draft-length policy (speculative/policy.py). Under tensor / expert parallelism every rank
@@ -173,6 +177,14 @@ class Engine:
             raise ValueError(f"the prompt needs {need} KV slots but the whole KV cache pool holds "
                              f"{self.pool_tokens}; raise kv_cache_config.max_tokens or --kv_cache_fraction")
         seq = Sequence(list(prompt_ids), params, arrival_time=time.perf_counter())
+        if params.guided is not None:
+            if self.grammars is None:
+                if self.grammar_factory is None:
+                    raise ValueError("structured output needs the engine's tokenizer; create the engine through LLM")
+                self.grammars = self.grammar_factory()
+            seq.matcher = self.grammars.matcher(params.guided)        # a bad schema: ValueError
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]             # the first prompt token has no logprob
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.cfg.device).manual_seed(params.seed)
         if self.think_ids is not None:
@@ -198,7 +210,9 @@ class Engine:
                                    "too small); raise kv_cache_config.max_tokens or --max_num_tokens")
             return []
         try:
-            fused = self.graphs or self.native_step
+            # a request whose logits the engine must see (logprobs, penalties) takes the general path; the forward
+            # is batch-invariant, so its tokens and every other row's are the same as on the fused steps
+            fused = (self.graphs or self.native_step) if not self._needs_logits(rows) else None
             static = fused.step_for(rows) if fused is not None else None
             if static is not None:
                 # target forward, verification and the draft forwards in one step: a captured static step (CUDA
@@ -253,11 +267,15 @@ class Engine:
     def _target(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]) -> tuple[TargetOutput, VerifyResult]:
         """The target forward and verification: one native call where the batch allows (NativeStep.target),
         else runner.execute and the verifier."""
-        if self.native_step is not None and self.native_step.can_verify(rows):
+        if self.native_step is not None and not self._needs_logits(rows) and self.native_step.can_verify(rows):
             tokens, hidden = self.native_step.target(rows)
             return TargetOutput(hidden, [None] * len(rows)), VerifyResult(tokens)
         out = self.runner.execute(rows, meta)
         return out, self._verify(rows, out)
+
+    @staticmethod
+    def _needs_logits(rows: list[ScheduledRow]) -> bool:
+        return any(r.seq.params.needs_logits for r in rows)
 
     def _finish_step(self, rows: list[ScheduledRow], result: VerifyResult, t0: float, c0: float, c1: float
                      ) -> list[Sequence]:
@@ -287,6 +305,7 @@ class Engine:
 
     def _verify(self, rows: list[ScheduledRow], out: TargetOutput) -> VerifyResult:
         tokens: list[list[int]] = [[] for _ in rows]
+        logprobs: Optional[list] = None
         # rows may carry different numbers of drafts (adaptive draft length): one verify call per count
         counts = sorted({len(r.token_ids) for r in rows if not r.is_prefill})
         for group in (
@@ -299,11 +318,34 @@ class Engine:
             drafts = torch.tensor([rows[i].token_ids[1:] if not rows[i].is_prefill else [] for i in group],
                                   dtype=torch.long, device=logits.device).view(len(group), -1)  # [B, K or 0]
             seqs = [rows[i].seq for i in group]
-            res = verify(logits, drafts, [s.params for s in seqs],
-                         [self.relaxed if s.in_thinking else None for s in seqs], [s.generator for s in seqs])
+            if any(s.params.processes_logits for s in seqs):
+                # penalties, bias, min_tokens: position j of a row sees the counts after drafts 1..j, so every
+                # acceptance below compares a draft with exactly what plain decoding would choose there
+                logits = logits.float().clone() if logits.dtype != torch.float32 else logits.clone()
+                for b, (i, s) in enumerate(zip(group, seqs)):
+                    if s.params.processes_logits:
+                        stop_ids = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos
+                                                                   else sorted(self.eos_token_ids))
+                        logits[b] = process_logits(logits[b], s.params, s.prompt_ids, s.output_ids,
+                                                   rows[i].token_ids[1:] if not rows[i].is_prefill else [], stop_ids)
+            # (a guided row is verified below; here it is a cheap strict row that draws nothing from its generator)
+            res = verify(logits, drafts, [s.params if s.matcher is None else _STRICT for s in seqs],
+                         [self.relaxed if s.in_thinking and s.matcher is None else None for s in seqs],
+                         [s.generator if s.matcher is None else None for s in seqs])
+            for b, (i, s) in enumerate(zip(group, seqs)):
+                if s.matcher is not None:      # the grammar's mask at every position, drafts accepted in order
+                    after_think = s.params.guided_after_think and self.think_ids is not None
+                    res.tokens[b] = verify_guided_row(self.grammars, s.matcher, logits[b], drafts[b].tolist(), s.params,
+                                                      s.generator, after_think and s.in_thinking,
+                                                      self.think_ids if after_think else None)
             for i, t in zip(group, res.tokens):
                 tokens[i] = t
-        return VerifyResult(tokens)
+                lp = rows[i].seq.params.logprobs
+                if lp is not None:          # the raw target logits at each emitted position
+                    if logprobs is None:
+                        logprobs = [None] * len(rows)
+                    logprobs[i] = token_logprobs(out.logits[i], t, lp)
+        return VerifyResult(tokens, logprobs)
 
     def _commit(self, rows: list[ScheduledRow], result: VerifyResult, out: Optional[TargetOutput]
                 ) -> list[DraftInput]:
@@ -311,12 +353,17 @@ class Engine:
         step, which drafted already)."""
         now = time.perf_counter()
         inputs: list[DraftInput] = []
-        for r, emitted, hidden in zip(rows, result.tokens, out.hidden if out is not None else [None] * len(rows)):
+        for n_row, (r, emitted, hidden) in enumerate(zip(rows, result.tokens,
+                                                         out.hidden if out is not None else [None] * len(rows))):
             seq = r.seq
             if r.is_prefill:
+                if out is not None and out.prompt_logits is not None and out.prompt_logits[n_row] is not None:
+                    self._prompt_logprobs(seq, r.start, out.prompt_logits[n_row])
                 seq.num_prefilled += len(r.token_ids)
             if emitted:
                 n_emitted = self._append(seq, emitted)
+                if result.logprobs is not None and result.logprobs[n_row] is not None:
+                    seq.logprobs.extend(result.logprobs[n_row][:n_emitted])
                 proposed = len(r.token_ids) - 1 if not r.is_prefill else 0
                 seq.stats.record_step(n_emitted, proposed, len(emitted) - 1)
                 self.stats.record_step(n_emitted, proposed, len(emitted) - 1)
@@ -338,6 +385,16 @@ class Engine:
                                      hidden[:n_new] if hidden is not None else None,
                                      needs_drafts=not (r.is_prefill and not r.is_final_chunk)))
         return inputs
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """A prefill chunk's logits [n, V] from position start: position p scores prompt token p + 1."""
+        first = len(seq.prompt_logprobs) - 1 - start          # the chunk's first position not scored yet
+        end = min(logits.shape[0], len(seq.prompt_ids) - 1 - start)
+        if first < 0 or first >= end:
+            return
+        seq.prompt_logprobs.extend(token_logprobs(logits[first:end], seq.prompt_ids[start + first + 1: start + end + 1],
+                                                  seq.params.prompt_logprobs))
 
     def _choose_drafts(self, inputs: list[DraftInput]) -> None:
         """Once per step: the policy's draft count for each row's next step (inp.max_drafts)."""
@@ -394,6 +451,9 @@ class Engine:
                 break
             seq.output_ids.append(tok)
             n += 1
+            if seq.matcher is not None and not (p.guided_after_think and self.think_ids is not None
+                                                and (seq.in_thinking or tok in self.think_ids)):
+                seq.matcher.accept_token(tok)
             if self.think_ids is not None:
                 if tok == self.think_ids[0]:
                     seq.in_thinking = True

@@ -13,6 +13,9 @@ from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 class TargetOutput:
     hidden: list[torch.Tensor]        # per row [n_row, H]: main hidden after the final norm
     logits: list[torch.Tensor | None] # per row: [K+1, V] decode, [1, V] final prefill chunk, None otherwise
+    # per row: [n_row, V] over a prefill chunk whose request wants prompt logprobs (a call of its own, so the
+    # other rows' logits do not change), None otherwise; None: no such row
+    prompt_logits: list[torch.Tensor | None] | None = None
 
 
 class ModelRunner:
@@ -38,4 +41,8 @@ class ModelRunner:
         logits_iter = iter(self.model.compute_logits(torch.cat(wanted)).split([len(w) for w in wanted])) \
             if wanted else iter(())
         logits = [next(logits_iter) if (not r.is_prefill or r.is_final_chunk) else None for r in rows]
-        return TargetOutput(per_row, logits)
+        prompt_logits = None
+        if any(r.is_prefill and r.seq.wants_prompt_logprobs for r in rows):
+            prompt_logits = [self.model.compute_logits(h) if r.is_prefill and r.seq.wants_prompt_logprobs else None
+                             for r, h in zip(rows, per_row)]
+        return TargetOutput(per_row, logits, prompt_logits)

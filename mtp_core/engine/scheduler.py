@@ -196,6 +196,8 @@ class Scheduler:
 
     # ---- prefix cache ----------------------------------------------------------------------
     def _lookup(self, seq: Sequence) -> PrefixHit | None:
+        if seq.wants_prompt_logprobs:       # every prompt position's logits are computed, none mapped
+            return None
         if not self.blocks.enable_reuse:
             return None
         extend_digests(seq.block_digests, seq.all_ids, self.blocks.tokens_per_block)

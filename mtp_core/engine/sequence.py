@@ -49,11 +49,21 @@ class Sequence:
     accept_step: int = 0         # the policy's step count when accept_est last learnt something
     accept_n: int = 0            # observations accept_est has learnt from
     generator: Optional[torch.Generator] = None
+    # params.logprobs set: one (id, logprob, top) per output token; params.prompt_logprobs set: None for the
+    # first prompt token, then one per prompt token (filled by the prefill, which then skips the prefix cache)
+    logprobs: list = field(default_factory=list)
+    matcher: Optional[object] = None   # params.guided: the grammar matcher, after every emitted non-thinking token
+    prompt_logprobs: list = field(default_factory=list)
     first_token_time: Optional[float] = None
     arrival_time: float = 0.0
     finish_time: Optional[float] = None
     block_digests: list[bytes] = field(default_factory=list)   # prefix cache: digest per full block of all_ids
     num_settled_blocks: int = 0  # prefix cache: leading table blocks already registered (or skipped)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and its prefill has not scored every prompt token yet."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids)
 
     @property
     def all_ids(self) -> list[int]:

@@ -30,10 +30,10 @@ SHUTDOWN_MESSAGE = "the server is shutting down; retry later"
 
 
 class _Live:
-    __slots__ = ("seq", "sent", "scheduled")
+    __slots__ = ("seq", "sent", "scheduled", "prompt_sent")
 
     def __init__(self, seq: Sequence) -> None:
-        self.seq, self.sent, self.scheduled = seq, 0, False
+        self.seq, self.sent, self.scheduled, self.prompt_sent = seq, 0, False, False
 
 
 class EngineCore:
@@ -41,6 +41,7 @@ class EngineCore:
         self.llm = llm
         self.engine = llm.engine
         self.live: dict[int, _Live] = {}                # rid -> request, in admission order
+        self.deferred: dict[int, list[Add]] = {}        # rid -> the other choices waiting for its prefill
         self.outputs: list[Output] = []
         self.stats = EngineStats(step_buckets=[0] * len(STEP_BUCKETS_S))
 
@@ -52,6 +53,10 @@ class EngineCore:
     # ---- commands ----------------------------------------------------------------------------
     def apply(self, cmd: Command) -> None:
         if isinstance(cmd, Add):
+            first = self.live.get(cmd.after) if cmd.after else None
+            if first is not None and self.engine.blocks.enable_reuse and not _prefilled(first.seq):
+                self.deferred.setdefault(cmd.after, []).append(cmd)
+                return
             try:
                 seq = self.engine.add_request(cmd.prompt_ids, cmd.params)
             except ValueError as e:
@@ -64,12 +69,36 @@ class EngineCore:
             for rid in cmd.rids:
                 r = self.live.get(rid)
                 if r is None:
+                    if self._drop_deferred(rid):
+                        self.outputs.append(Output(rid, [], "abort"))
                     continue                             # finished already
                 if not r.seq.is_finished:
                     self.engine.abort(r.seq)
                 self._publish(rid, r)
 
+    def _drop_deferred(self, rid: int) -> bool:
+        for first, adds in list(self.deferred.items()):
+            for a in adds:
+                if a.rid == rid:
+                    adds.remove(a)
+                    if not adds:
+                        del self.deferred[first]
+                    return True
+        return False
+
+    def _release_deferred(self) -> None:
+        """The choices whose first choice has prefilled its prompt (or is gone) join the batch now."""
+        for first in list(self.deferred):
+            r = self.live.get(first)
+            if r is None or _prefilled(r.seq):
+                for a in self.deferred.pop(first):
+                    a.after = 0
+                    self.apply(a)
+
     def abort_all(self, status: int = 503, message: str = SHUTDOWN_MESSAGE) -> None:
+        for adds in self.deferred.values():
+            self.outputs.extend(Output(a.rid, [], error_status=status, error=message) for a in adds)
+        self.deferred.clear()
         for rid, r in list(self.live.items()):
             if not r.seq.is_finished:
                 self.engine.abort(r.seq)
@@ -78,7 +107,7 @@ class EngineCore:
 
     # ---- the step ----------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return self.engine.has_unfinished()
+        return self.engine.has_unfinished() or bool(self.deferred)
 
     def step(self) -> None:
         t0 = time.perf_counter()
@@ -106,17 +135,25 @@ class EngineCore:
                 self._publish(rid, r, queue_s=max(t0 - r.seq.arrival_time, 0.0))
             elif r.seq.is_finished or len(r.seq.output_ids) > r.sent:
                 self._publish(rid, r)
+        if self.deferred:
+            self._release_deferred()
 
     def _publish(self, rid: int, r: _Live, queue_s: Optional[float] = None) -> None:
         seq = r.seq
         new = seq.output_ids[r.sent:]
+        lps = seq.logprobs[r.sent:len(seq.output_ids)] if seq.params.logprobs is not None else None
+        plp = None
+        if seq.params.prompt_logprobs is not None and not r.prompt_sent and (new or seq.is_finished) \
+                and len(seq.prompt_logprobs) == len(seq.prompt_ids):
+            plp, r.prompt_sent = seq.prompt_logprobs, True
         r.sent = len(seq.output_ids)
         self.stats.generation_tokens += len(new)
         if seq.is_finished:
-            self.outputs.append(Output(rid, new, seq.finish_reason or "abort", seq.stats, queue_s))
+            self.outputs.append(Output(rid, new, seq.finish_reason or "abort", seq.stats, queue_s, logprobs=lps,
+                                       prompt_logprobs=plp))
             del self.live[rid]
         elif new or queue_s is not None:
-            self.outputs.append(Output(rid, new, queue_s=queue_s))
+            self.outputs.append(Output(rid, new, queue_s=queue_s, logprobs=lps, prompt_logprobs=plp))
 
     # ---- what goes back --------------------------------------------------------------------------
     def take(self) -> Outputs:
@@ -134,6 +171,10 @@ class EngineCore:
         s.spec = eng.stats
         out, self.outputs = self.outputs, []
         return Outputs(out, s)
+
+
+def _prefilled(seq: Sequence) -> bool:
+    return seq.is_finished or (seq.status != Status.WAITING and seq.num_prefilled >= len(seq.prompt_ids))
 
 
 def run_engine_loop(core: EngineCore, recv: Callable[[bool], list[Command]], send: Callable[[Outputs], None],

@@ -23,6 +23,8 @@ class Add(msgspec.Struct, tag="add", array_like=True):
     rid: int
     prompt_ids: list[int]
     params: SamplingParams
+    after: int = 0           # another choice of the same prompt: admitted once that request's prefill is done,
+                             # so that it maps the prompt's blocks from the prefix cache (0: at once)
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -45,6 +47,10 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
     queue_s: Optional[float] = None              # set once: arrival at the engine -> first scheduled step
     error_status: int = 0                        # final output of a failed request: the HTTP status ...
     error: str = ""                              # ... and the one-line message
+    # params.logprobs set: (id, logprob, [(id, logprob)] top) per token of token_ids
+    logprobs: Optional[list[tuple[int, float, list[tuple[int, float]]]]] = None
+    # params.prompt_logprobs set, once (with the first tokens): None for the first prompt token, then per token
+    prompt_logprobs: Optional[list[Optional[tuple[int, float, list[tuple[int, float]]]]]] = None
 
 
 class EngineStats(msgspec.Struct, array_like=True):

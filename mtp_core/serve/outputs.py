@@ -38,17 +38,24 @@ class TextEvent:
     num_tokens: int = 0                          # done: completion tokens (up to a stop string)
     status: int = 200                            # error: the HTTP status ...
     message: str = ""                            # ... and the one-line message
+    logprobs: Optional[list] = None              # per token fed: (text, logprob, top, id, bytes)
+    prompt_logprobs: Optional[list] = None       # once: None, then the same per prompt token
+    index: int = 0                               # the choice (set when the event is delivered)
 
 
 class RequestState:
     """One request as the API process sees it (fields written by the output thread unless noted)."""
 
     def __init__(self, rid: int, text: OutputText, prompt_len: int, request_id: str, arrival: float,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop, index: int = 0, events: Optional[asyncio.Queue] = None,
+                 discard: bool = False) -> None:
         self.rid, self.text, self.prompt_len, self.request_id = rid, text, prompt_len, request_id
+        self.index = index                       # the choice this request answers
+        self.discard = discard                   # echo with max_tokens 0: only the prompt logprobs count
         self.arrival = arrival                   # perf_counter when the HTTP request came in
         self.loop = loop
-        self.events: asyncio.Queue[TextEvent] = asyncio.Queue()
+        # the choices of one HTTP request share one queue; events carry their choice's index
+        self.events: asyncio.Queue[TextEvent] = events if events is not None else asyncio.Queue()
         self.first_t: Optional[float] = None
         self.last_t: Optional[float] = None
         self.abort_reason: Optional[str] = None  # set by either side: client gone, stop string, failed, shutdown
@@ -66,6 +73,7 @@ class OutputProcessor:
         self._thread: Optional[threading.Thread] = None
         self._next_rid = 0
         self.gone = False                        # the engine stopped answering
+        self._names: dict[int, str] = {}         # token id -> its text (logprobs)
 
     # ---- the event loop's side ------------------------------------------------------------------
     def start(self) -> None:
@@ -77,10 +85,12 @@ class OutputProcessor:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def register(self, text: OutputText, prompt_len: int, request_id: str, arrival: float) -> RequestState:
+    def register(self, text: OutputText, prompt_len: int, request_id: str, arrival: float, index: int = 0,
+                 events: Optional[asyncio.Queue] = None, discard: bool = False) -> RequestState:
         with self._lock:
             self._next_rid += 1
-            rs = RequestState(self._next_rid, text, prompt_len, request_id, arrival, asyncio.get_running_loop())
+            rs = RequestState(self._next_rid, text, prompt_len, request_id, arrival, asyncio.get_running_loop(),
+                              index, events, discard)
             self.requests[rs.rid] = rs
         return rs
 
@@ -148,9 +158,13 @@ class OutputProcessor:
             return
         text = rs.text
         delta: dict[str, str] = {}
-        if not (text.stopped or rs.abort_reason == "failed"):
+        lps = plps = None
+        if not (text.stopped or rs.abort_reason == "failed" or rs.discard):
             try:
+                before = text.num_tokens
                 delta = text.feed(out.token_ids)
+                if out.logprobs is not None:     # the tokens the text took (up to a stop string)
+                    lps = self._named(text.tok, out.logprobs[:text.num_tokens - before])
                 if text.stopped or out.finish_reason is not None:
                     for k, v in text.finish().items():
                         delta[k] = delta.get(k, "") + v
@@ -168,9 +182,11 @@ class OutputProcessor:
             if text.stopped and out.finish_reason is None and rs.abort_reason is None:
                 rs.abort_reason = "stop string"
                 self.engine.send(Abort([rs.rid]))
+        if out.prompt_logprobs is not None:
+            plps = [None] + self._named(rs.text.tok, out.prompt_logprobs[1:])
         if out.finish_reason is None:
-            if delta:
-                self._pending.append((rs, TextEvent("delta", delta)))
+            if delta or lps or plps:
+                self._pending.append((rs, TextEvent("delta", delta, logprobs=lps, prompt_logprobs=plps)))
             return
         if text.stopped:
             reason = "stop"
@@ -182,7 +198,26 @@ class OutputProcessor:
         m.e2e.observe(now - rs.arrival)
         log.info("request %s finished (%s): %d prompt + %d completion tokens in %.3f s", rs.request_id, reason,
                  rs.prompt_len, text.num_tokens, now - rs.arrival)
-        self._close(rs, TextEvent("done", delta, reason, out.stats, text.num_tokens))
+        self._close(rs, TextEvent("done", delta, reason, out.stats, 0 if rs.discard else text.num_tokens,
+                                  logprobs=lps, prompt_logprobs=plps))
+
+    def _named(self, tok: Any, entries: list) -> list:
+        """(id, logprob, top) -> (text, logprob, [(text, logprob, bytes)], id, bytes): each token's own text
+        (special tokens included) and its bytes (a byte-level token's raw bytes, so a piece of a multi-byte
+        character keeps them), computed once per id."""
+        names = self._names
+
+        def name(i: int) -> tuple[str, list[int]]:
+            got = names.get(i)
+            if got is None:
+                got = names[i] = (tok.decode([i], skip_special_tokens=False), _token_bytes(tok, i))
+            return got
+
+        out = []
+        for t, lp, top in entries:
+            text, raw = name(t)
+            out.append((text, lp, [(*name(i)[:1], v, name(i)[1]) for i, v in top], t, raw))
+        return out
 
     # ---- both ------------------------------------------------------------------------------------
     def _close(self, rs: RequestState, ev: TextEvent) -> None:
@@ -197,12 +232,44 @@ class OutputProcessor:
         pending, self._pending = self._pending, []
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TextEvent]]] = {}
         for rs, ev in pending:
+            ev.index = rs.index
             by_loop.setdefault(rs.loop, []).append((rs.events, ev))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_deliver, items)
             except RuntimeError:     # that event loop is closed (shutdown): nobody is listening any more
                 pass
+
+
+_BYTE_OF: Optional[dict[str, int]] = None
+
+
+def _byte_of() -> dict[str, int]:
+    """Byte-level BPE's alphabet -> the byte each character stands for: printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for the characters from U+0100 on, in byte order."""
+    global _BYTE_OF
+    if _BYTE_OF is None:
+        same = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+        table = {chr(b): b for b in same}
+        shifted = [b for b in range(256) if b not in table.values()]
+        table.update({chr(0x100 + n): b for n, b in enumerate(shifted)})
+        _BYTE_OF = table
+    return _BYTE_OF
+
+
+def _token_bytes(tok: Any, i: int) -> list[int]:
+    """The bytes of token i: a byte-level vocabulary entry mapped back to its bytes; an added token (or any other
+    tokenizer) gives its text's UTF-8."""
+    backend = getattr(tok, "_tok", None)
+    text = tok.decode([i], skip_special_tokens=False)
+    if backend is None or type(getattr(backend, "decoder", None)).__name__ != "ByteLevel" \
+            or i in backend.get_added_tokens_decoder():
+        return list(text.encode("utf-8"))
+    piece = backend.id_to_token(i)
+    table = _byte_of()
+    if piece is None or any(c not in table for c in piece):
+        return list(text.encode("utf-8"))
+    return [table[c] for c in piece]
 
 
 def _deliver(items: list[tuple[asyncio.Queue, TextEvent]]) -> None:

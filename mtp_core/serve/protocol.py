@@ -1,13 +1,18 @@
-"""Request bodies of the OpenAI API (the subset served here), strictly validated, and OpenAI error objects.
+"""Request bodies of the OpenAI API, strictly validated, and OpenAI error objects.
 
 Bodies are parsed with pydantic in strict mode (`"5"` is not an integer, `5.0` is not an integer; an integer
-is a valid float). Unknown fields are rejected, as OpenAI does. Known OpenAI fields that this server does
-not implement are accepted only at their neutral value (`n: 1`, `presence_penalty: 0`, ...); any other
-value is a 400 that says what to send instead. Extensions: `top_k`, `ignore_eos`.
+is a valid float). Every field of OpenAI's API reference for the two endpoints is accepted; a field no API
+defines is a 400 that names it. Fields that ask for something this server cannot do (audio, `suffix`,
+`tool_choice: auto`, ...) are accepted at their neutral value only; any other value is a 400 that
+says what to send instead. Fields with no meaning here (`user`, `store`, `metadata`, `service_tier`,
+`reasoning_effort`, ...) are accepted and ignored (docs/serving.md lists them). Extensions (vLLM's names):
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
+`ignore_eos`.
 """
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -44,6 +49,12 @@ def short_repr(v: Any, n: int = 60) -> str:
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: Optional[bool] = None     # ignored (no obfuscation padding is sent)
+
+
+MAX_N = 128                                     # choices per prompt (n, best_of)
+MAX_CHOICES = 256                               # choices per request (prompts x best_of)
+MAX_LOGPROBS = 20
 
 
 class _Common(_Strict):
@@ -52,32 +63,52 @@ class _Common(_Strict):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None                  # extension (vLLM, SGLang, TensorRT-LLM)
+    min_p: Optional[float] = None                # extension
     n: int = 1
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None   # extension
+    include_stop_str_in_output: bool = False     # extension
     seed: Optional[int] = None
     ignore_eos: bool = False                     # extension
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None   # extension
+    min_tokens: Optional[int] = None             # extension
     logit_bias: Optional[dict[str, Union[int, float]]] = None
-    user: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None   # extension (vLLM's): {"json" | "regex" | "choice": ...}
+    user: Optional[str] = None                   # ignored
 
     def unsupported(self) -> Optional[tuple[str, str]]:
-        """(param, message) for a known field set to a value this server cannot honour."""
-        if self.n != 1:
-            return "n", f"n={short_repr(self.n)} is not supported (one choice per request); send n=1 or omit it, and repeat the request for more choices"
+        """(param, message) for a field set to a value this server cannot honour."""
+        if not 1 <= self.n <= MAX_N:
+            return "n", f"n must be in [1, {MAX_N}], got {short_repr(self.n)}"
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             return "seed", f"seed must be an integer in [-2^63, 2^64 - 1], got {short_repr(self.seed)}"
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             return "stop", f"stop holds {len(stops)} strings; send at most {MAX_STOP_STRINGS}"
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > 1024:
+            return "stop_token_ids", f"stop_token_ids holds {len(self.stop_token_ids)} ids; send at most 1024"
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if v not in (None, 0, 0.0):
-                return name, f"{name} is not supported; omit it or send 0"
+            if v is not None and not -2.0 <= v <= 2.0:
+                return name, f"{name} must be in [-2, 2], got {short_repr(v)}"
+        if self.repetition_penalty is not None and not 0 < self.repetition_penalty <= 100:
+            return "repetition_penalty", f"repetition_penalty must be in (0, 100], got {short_repr(self.repetition_penalty)}"
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            return "min_p", f"min_p must be in [0, 1], got {short_repr(self.min_p)}"
+        if self.min_tokens is not None and self.min_tokens < 0:
+            return "min_tokens", f"min_tokens must be >= 0, got {short_repr(self.min_tokens)}"
         if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported; omit it or send {}"
+            if len(self.logit_bias) > 1024:
+                return "logit_bias", f"logit_bias holds {len(self.logit_bias)} entries; send at most 1024"
+            for k, v in self.logit_bias.items():
+                if not k.isdigit():
+                    return "logit_bias", f"logit_bias keys must be token ids, got {short_repr(k)}"
+                if not -100 <= v <= 100:
+                    return "logit_bias", f"logit_bias values must be in [-100, 100], got {short_repr(v)} for {short_repr(k)}"
         return None
 
 
@@ -92,14 +123,17 @@ class CompletionRequest(_Common):
         base = super().unsupported()
         if base:
             return base
-        if self.echo:
-            return "echo", "echo is not supported; omit it or send false"
-        if self.logprobs not in (None, 0):
-            return "logprobs", "logprobs is not supported; omit it"
-        if self.best_of not in (None, 1):
-            return "best_of", "best_of > 1 is not supported; omit it or send 1"
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            return "logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {short_repr(self.logprobs)}"
+        if self.best_of is not None:
+            if not 1 <= self.best_of <= MAX_N:
+                return "best_of", f"best_of must be in [1, {MAX_N}], got {short_repr(self.best_of)}"
+            if self.best_of < self.n:
+                return "best_of", f"best_of ({self.best_of}) must be >= n ({self.n})"
+            if self.stream and self.best_of > 1:
+                return "best_of", "best_of > 1 cannot be streamed; send stream: false or best_of: 1"
         if self.suffix:
-            return "suffix", "suffix is not supported; omit it"
+            return "suffix", "suffix (insertion) is not supported; omit it"
         return None
 
 
@@ -129,24 +163,151 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-    parallel_tool_calls: Optional[bool] = None
+    parallel_tool_calls: Optional[bool] = None   # tool_choice required: false = exactly one call
+    functions: Optional[list[Any]] = None        # deprecated by OpenAI for tools
+    function_call: Optional[Union[str, dict[str, Any]]] = None
     response_format: Optional[dict[str, Any]] = None
+    audio: Optional[dict[str, Any]] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[dict[str, Any]] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    # accepted and ignored: nothing here depends on them
     store: Optional[bool] = None
     metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         base = super().unsupported()
         if base:
             return base
-        if self.logprobs or self.top_logprobs:
-            return "logprobs", "logprobs is not supported; omit it or send false"
-        if self.tools:
-            return "tools", "tool calls are not supported; omit tools"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice", "tool_choice is not supported; omit it"
-        if self.response_format not in (None, {"type": "text"}):
-            return "response_format", 'only response_format {"type": "text"} is supported; omit it'
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                return "top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {short_repr(self.top_logprobs)}"
+            if not self.logprobs:
+                return "top_logprobs", "top_logprobs needs logprobs: true"
+        if self.functions:
+            return "functions", "functions (deprecated) are not supported; send tools"
+        if self.function_call not in (None, "none", "auto"):
+            return "function_call", "function_call is not supported; omit it"
+        if self.audio is not None:
+            return "audio", "audio output is not supported; omit audio"
+        if self.modalities not in (None, ["text"]):
+            return "modalities", 'only modalities ["text"] is supported; omit it'
+        if self.prediction is not None:
+            return "prediction", "predicted outputs are not supported; omit prediction"
+        if self.web_search_options is not None:
+            return "web_search_options", "web search is not supported; omit web_search_options"
+        for name, allowed in (("service_tier", ("auto", "default", "flex", "scale", "priority")),
+                              ("reasoning_effort", ("none", "minimal", "low", "medium", "high")),
+                              ("verbosity", ("low", "medium", "high"))):
+            v = getattr(self, name)
+            if v is not None and v not in allowed:
+                return name, f"{name} must be one of {', '.join(allowed)}, got {short_repr(v)}"
         return None
+
+    def tool_mode(self, template: str) -> tuple[Optional[str], Optional[dict]]:
+        """(None | "named" | "required", the JSON schema the output must follow) for tools + tool_choice.
+
+        A named function and `required` work with any chat template: the grammar forces a call (named: its
+        arguments object; required: a list of {"name", "parameters"} calls). `auto` needs a template that renders
+        tools and a parser for its format: a 400 naming the template here. `none` (or no tools): plain text."""
+        tools = self.tools or []
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
+        if choice == "none":
+            return None, None
+        if not tools:
+            raise APIError(400, "tool_choice needs tools; send tools or omit tool_choice", param="tool_choice")
+        fns: dict[str, dict] = {}
+        for i, t in enumerate(tools):
+            fn = t.get("function") if isinstance(t, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(name, str) \
+                    or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+                raise APIError(400, f"tools[{i}] must be {{type: function, function: {{name, parameters}}}} with a name "
+                                    "of 1-64 letters, digits, _ . -", param=f"tools[{i}]")
+            params = fn.get("parameters", {"type": "object", "properties": {}})
+            if not isinstance(params, dict):
+                raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object",
+                               param=f"tools[{i}].function.parameters")
+            fns[name] = params
+        if self.response_format is not None and self.response_format.get("type") not in (None, "text"):
+            raise APIError(400, "send response_format or a forced tool_choice, not both", param="response_format")
+        if choice == "auto":
+            raise APIError(400, f"tool_choice auto needs a chat template that renders tools and a tool-call parser; "
+                                f"{short_repr(template)} has neither; send tool_choice required or a named function",
+                           param="tool_choice")
+        if choice == "required":
+            calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
+                                "required": ["name", "parameters"], "additionalProperties": False}
+                               for n, p in fns.items()]}
+            schema = {"type": "array", "items": calls, "minItems": 1}
+            if self.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+            return "required", schema
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if not isinstance(choice, dict) or choice.get("type") != "function" or name not in fns:
+            raise APIError(400, f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}} "
+                                f"naming one of the tools ({', '.join(fns)}), got {short_repr(choice)}",
+                           param="tool_choice")
+        return "named", fns[name]
+
+    def guided(self) -> Optional[tuple[str, str]]:
+        """response_format (OpenAI's) or structured_outputs (the extension) as SamplingParams.guided;
+        APIError(400) for a malformed one."""
+        rf = self.response_format
+        if rf is not None and rf.get("type") not in (None, "text"):
+            if self.structured_outputs:
+                raise APIError(400, "send response_format or structured_outputs, not both", param="response_format")
+            kind = rf.get("type")
+            if kind == "json_object":
+                return "json_object", ""
+            if kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON Schema object",
+                                   param="response_format.json_schema")
+                return "json_schema", json.dumps(schema)
+            raise APIError(400, f"response_format type {short_repr(kind)} is not supported; use text, json_object or "
+                                "json_schema", param="response_format.type")
+        return structured(self.structured_outputs)
+
+
+def structured(so: Optional[dict[str, Any]]) -> Optional[tuple[str, str]]:
+    """The structured_outputs extension: exactly one of json (a schema object, or a string of one), regex (a
+    string), choice (a non-empty list of strings)."""
+    if not so:
+        return None
+    keys = [k for k in ("json", "regex", "choice") if so.get(k) is not None]
+    extra = [k for k in so if k not in ("json", "regex", "choice")]
+    if extra:
+        raise APIError(400, f"structured_outputs.{extra[0]} is not supported; use json, regex or choice",
+                       param="structured_outputs")
+    if len(keys) != 1:
+        raise APIError(400, "structured_outputs needs exactly one of json, regex, choice", param="structured_outputs")
+    k, v = keys[0], so[keys[0]]
+    if k == "json":
+        if isinstance(v, str):
+            try:
+                v = json.loads(v)
+            except ValueError:
+                raise APIError(400, "structured_outputs.json is not valid JSON", param="structured_outputs.json") \
+                    from None
+        if not isinstance(v, dict):
+            raise APIError(400, "structured_outputs.json must be a JSON Schema object", param="structured_outputs.json")
+        return "json_schema", json.dumps(v)
+    if k == "regex":
+        if not isinstance(v, str) or not v:
+            raise APIError(400, "structured_outputs.regex must be a non-empty string", param="structured_outputs.regex")
+        return "regex", v
+    if not isinstance(v, list) or not v or not all(isinstance(c, str) and c for c in v):
+        raise APIError(400, "structured_outputs.choice must be a non-empty list of non-empty strings",
+                       param="structured_outputs.choice")
+    return "choice", json.dumps(v)
 
 
 _TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",

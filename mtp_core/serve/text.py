@@ -9,7 +9,8 @@ leave the model inside `<think>` (no `<think>` in it after the last `</think>`) 
 
 Stop strings: the text is held back by up to (longest stop string - 1) characters, so a stop string that
 straddles two steps is still found before any part of it is sent; the text is cut before the stop string.
-The streamed pieces therefore always concatenate to exactly the non-streamed text.
+With `include_stop_str_in_output` the text ends with the stop string instead (the earliest match; of
+two that start there, the shorter). The streamed pieces always concatenate to exactly the non-streamed text.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from typing import Any, Optional
 
 
 class _StopBuffer:
-    def __init__(self, stops: list[str]) -> None:
+    def __init__(self, stops: list[str], include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include                   # include_stop_str_in_output: the text ends with the stop string
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.pending = ""
         self.stopped = False
@@ -27,11 +29,12 @@ class _StopBuffer:
         if self.stopped:
             return ""
         buf = self.pending + piece
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, i + len(s)) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped = True
             self.pending = ""
-            return buf[:min(hits)]
+            start, end = min(hits)
+            return buf[:end] if self.include else buf[:start]
         cut = max(len(buf) - self.hold, 0)
         self.pending = buf[cut:]
         return buf[:cut]
@@ -43,16 +46,16 @@ class _StopBuffer:
 
 class OutputText:
     def __init__(self, tokenizer: Any, stops: list[str], think_ids: Optional[tuple[int, int]] = None,
-                 starts_in_reasoning: bool = False) -> None:
+                 starts_in_reasoning: bool = False, include_stop: bool = False) -> None:
         self.tok = tokenizer
         self.think_ids = think_ids                        # set only with a reasoning parser
         self.in_reasoning = bool(think_ids) and starts_in_reasoning
         self.saw_think_start = False
         self.decoders = {"content": tokenizer.stream_decoder()}
-        self.stops = {"content": _StopBuffer(stops)}
+        self.stops = {"content": _StopBuffer(stops, include_stop)}
         if think_ids:
             self.decoders["reasoning_content"] = tokenizer.stream_decoder()
-            self.stops["reasoning_content"] = _StopBuffer(stops)
+            self.stops["reasoning_content"] = _StopBuffer(stops, include_stop)
         self.text = {k: "" for k in self.decoders}
         self.num_tokens = 0
 

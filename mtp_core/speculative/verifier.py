@@ -21,6 +21,7 @@ from mtp_core.sampling import SamplingParams, sample_tokens
 @dataclass
 class VerifyResult:
     tokens: list[list[int]]     # per row: the n emitted tokens (accepted drafts, then the bonus)
+    logprobs: Optional[list] = None   # per row: None, or (id, logprob, top) per emitted token (raw logits)
 
     @property
     def num_accepted_drafts(self) -> list[int]:

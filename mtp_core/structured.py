@@ -1,0 +1,158 @@
+"""Structured output through xgrammar: a grammar's token mask at every position of a verify row.
+
+A request's `SamplingParams.guided` names a grammar: ("json_object", ""), ("json_schema", schema JSON),
+("regex", pattern) or ("choice", JSON list of strings). The engine gives the sequence a `GrammarMatcher`
+(compiled grammars are cached per spec). Verification of a guided row walks its positions in order:
+
+    position i: mask = the matcher's allowed tokens after the output and the drafts accepted so far
+                choice_i = argmax (greedy) or a sample (temperature) of the masked, processed logits
+                draft d_{i+1} == choice_i: accepted, the matcher takes it; else the row ends with choice_i
+
+and then rolls the matcher back over the drafts it took: the engine commits the emitted tokens (which stop
+at EOS, a stop id or max_tokens) into the matcher one by one, as it appends them. So each emitted token is
+what plain decoding chooses under the same mask, and a draft the grammar forbids is rejected. With
+`guided_after_think` (the server sets it when a reasoning parser is on) the grammar starts after `</think>`
+(the thinking text is free), as in vLLM; otherwise it applies from the first token, and `<think>` /
+`</think>` are never allowed inside the grammar's text.
+
+Worked example (tests/test_structured.py): choice grammar {"yes", "no"}; a row [t, d1="n", d2="x"] whose
+logits prefer "x" at position 1: position 0 allows "y"/"n" (and their multi-character tokens), picks "n" =
+d1, accepted; position 1 allows only "o": the masked argmax is "o" != d2, so the row emits "n", "o".
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Optional
+
+import torch
+
+from mtp_core.sampling import SamplingParams, sample_tokens
+
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice")
+
+
+class GrammarBackend:
+    """xgrammar over the engine's tokenizer: compiles (and caches) grammars and makes matchers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: list[int], max_rollback: int,
+                 forbid: tuple[int, ...] = ()) -> None:
+        try:
+            import xgrammar as xgr
+            from transformers import PreTrainedTokenizerFast
+        except ImportError as e:       # pragma: no cover - depends on the environment
+            raise ValueError(f"structured output needs the xgrammar package ({e}); pip install xgrammar") from None
+        self.xgr = xgr
+        hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer._tok)
+        self.info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=list(stop_ids))
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1)
+        self.vocab_size = vocab_size
+        self.stop_ids = set(stop_ids)
+        self.forbid = list(forbid)          # never inside the grammar's text: <think> and </think>
+        self._json_ids: Optional[list[int]] = None
+        self.max_rollback = max(max_rollback, 1)
+        self._cache: dict[tuple[str, str], Any] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, guided: tuple[str, str]) -> Any:
+        kind, spec = guided
+        with self._lock:
+            hit = self._cache.get((kind, spec))
+            if hit is not None:
+                return hit
+            try:
+                # compact JSON (no free whitespace between tokens, as vLLM's xgrammar backend can be set to): a
+                # model that likes whitespace cannot pad the object until max_tokens
+                if kind == "json_object":       # any JSON object (OpenAI's json_object mode), not an array
+                    compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                elif kind == "json_schema":
+                    compiled = self.compiler.compile_json_schema(spec, strict_mode=True, any_whitespace=False)
+                elif kind == "regex":
+                    compiled = self.compiler.compile_regex(spec)
+                elif kind == "choice":
+                    options = json.loads(spec)
+                    ebnf = "root ::= " + " | ".join(json.dumps(o) for o in options)
+                    compiled = self.compiler.compile_grammar(ebnf)
+                else:
+                    raise ValueError(f"unknown structured output kind {kind!r}; use one of {', '.join(GUIDED_KINDS)}")
+            except ValueError:
+                raise
+            except Exception as e:  # noqa: BLE001 - xgrammar's own errors: a bad schema or regex
+                first = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise ValueError(f"the {kind} cannot be compiled to a grammar: {first[:200]}") from None
+            if len(self._cache) > 256:
+                self._cache.clear()
+            self._cache[(kind, spec)] = compiled
+            return compiled
+
+    def matcher(self, guided: tuple[str, str]) -> "Guide":
+        forbid = self.forbid
+        if guided[0] in ("json_object", "json_schema"):
+            forbid = self._json_forbid()
+        return Guide(self.xgr.GrammarMatcher(self.compile(guided), max_rollback_tokens=self.max_rollback), forbid)
+
+    def _json_forbid(self) -> list[int]:
+        """JSON (compact, as compiled here) never needs a byte below 0x20, and inside a string such a byte must be
+        escaped (RFC 8259; xgrammar's string rule lets raw ones through): tokens holding one are forbidden, so
+        every JSON output parses with a strict parser."""
+        if self._json_ids is None:
+            ctrl = [i for i, b in enumerate(self.info.decoded_vocab[:self.vocab_size])
+                    if i not in self.stop_ids and any(c < 0x20 for c in b)]
+            self._json_ids = sorted(set(ctrl) | set(self.forbid))
+        return self._json_ids
+
+    def new_bitmask(self) -> torch.Tensor:
+        return self.xgr.allocate_token_bitmask(1, self.vocab_size)
+
+    def mask(self, guide: "Guide", logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """logits [V] (float32) with the tokens the grammar forbids at -inf (a copy)."""
+        guide.matcher.fill_next_token_bitmask(bitmask)
+        row = logits.view(1, -1).clone()
+        self.xgr.apply_token_bitmask_inplace(row, bitmask)
+        if guide.forbid:
+            row[0, guide.forbid] = float("-inf")
+        return row.view(-1)
+
+
+class Guide:
+    """A request's grammar matcher and the token ids it never allows (think tokens; control bytes for JSON)."""
+
+    def __init__(self, matcher: Any, forbid: list[int]) -> None:
+        self.matcher, self.forbid = matcher, forbid
+
+    def accept_token(self, tok: int) -> bool:
+        return self.matcher.accept_token(tok)
+
+    def rollback(self, n: int) -> None:
+        self.matcher.rollback(n)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+def verify_guided_row(backend: GrammarBackend, matcher: "Guide", logits: torch.Tensor, drafts: list[int],
+                      params: SamplingParams, generator: Optional[torch.Generator], thinking: bool,
+                      think_ids: Optional[tuple[int, int]]) -> list[int]:
+    """One guided row: logits [K+1, V] (processed), drafts [K]. Returns the emitted tokens (accepted drafts,
+    then the bonus); the matcher is left where it was."""
+    bitmask = backend.new_bitmask()
+    out: list[int] = []
+    taken = 0
+    for i in range(logits.shape[0]):
+        row = logits[i] if thinking else backend.mask(matcher, logits[i], bitmask)
+        tok = int(sample_tokens(row.view(1, -1), params, generator)[0])
+        out.append(tok)
+        if i >= len(drafts) or drafts[i] != tok or (not thinking and tok in backend.stop_ids):
+            break                       # (the grammar's end: the engine stops at the stop token)
+        # the draft is accepted: the next position's mask continues after it
+        if think_ids is not None and tok == think_ids[0]:
+            thinking = True
+        elif think_ids is not None and tok == think_ids[1]:
+            thinking = False
+        elif not thinking:
+            if matcher.is_terminated() or not matcher.accept_token(tok):
+                break
+            taken += 1
+    if taken:
+        matcher.rollback(taken)
+    return out
