@@ -132,47 +132,41 @@ inline VF vload_nvfp4_16(const uint8_t* p) {
   const __m512i i = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi32(b, 4), 1);
   return {_mm512_permutexvar_ps(i, e2m1_lut())};
 }
-#elif defined(MTP_ISA_AVX2)
-// AVX2 + FMA: a 16-lane vector as two 256-bit registers. The element-wise operations use intrinsics (the
-// portable arrays below leave GCC's vectorizer moving every accumulator through the stack); the rest goes
-// through a lane array with exactly the portable build's scalar code, so results equal that build's.
-struct VF {
-  __m256 lo, hi;
-};
-inline VF vf_load_array(const float* a) { return {_mm256_loadu_ps(a), _mm256_loadu_ps(a + 8)}; }
-inline void vf_store_array(VF x, float* a) {
-  _mm256_storeu_ps(a, x.lo);
-  _mm256_storeu_ps(a + 8, x.hi);
-}
-inline VF vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-inline VF vset1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
-inline VF vload(const float* p) { return vf_load_array(p); }
-inline VF vload_n(const float* p, int64_t n) {
-  float a[kLanes];
-  for (int i = 0; i < kLanes; ++i) a[i] = i < n ? p[i] : 0.f;
-  return vf_load_array(a);
-}
+#else
 inline float bf16_to_f32(uint16_t b) {
   const uint32_t u = static_cast<uint32_t>(b) << 16;
   float f;
   std::memcpy(&f, &u, 4);
   return f;
 }
+#if defined(MTP_ISA_AVX2)
+// AVX2 + FMA: a 16-lane vector as two 256-bit registers. The element-wise operations use intrinsics (the
+// portable arrays below leave GCC's vectorizer moving every accumulator through the stack); the rest is the
+// portable build's lane-by-lane code after this block, over a lane array.
+struct VF {
+  __m256 lo, hi;
+};
+struct Lanes {
+  float v[kLanes];
+};
+inline Lanes lanes(VF x) {
+  Lanes a;
+  _mm256_storeu_ps(a.v, x.lo);
+  _mm256_storeu_ps(a.v + 8, x.hi);
+  return a;
+}
+inline VF from_lanes(const Lanes& a) { return {_mm256_loadu_ps(a.v), _mm256_loadu_ps(a.v + 8)}; }
+inline VF vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline VF vset1(float a) { return {_mm256_set1_ps(a), _mm256_set1_ps(a)}; }
+inline VF vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline __m256 bf16x8(const uint16_t* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
 inline VF vload(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
-inline VF vload_n(const uint16_t* p, int64_t n) {
-  float a[kLanes];
-  for (int i = 0; i < kLanes; ++i) a[i] = i < n ? bf16_to_f32(p[i]) : 0.f;
-  return vf_load_array(a);
-}
-inline void vstore(float* p, VF a) { vf_store_array(a, p); }
-inline void vstore_n(float* p, VF a, int64_t n) {
-  float t[kLanes];
-  vf_store_array(a, t);
-  for (int i = 0; i < kLanes && i < n; ++i) p[i] = t[i];
+inline void vstore(float* p, VF a) {
+  _mm256_storeu_ps(p, a.lo);
+  _mm256_storeu_ps(p + 8, a.hi);
 }
 inline VF vfma(VF a, VF b, VF c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
 inline VF vadd(VF a, VF b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
@@ -181,69 +175,13 @@ inline VF vmul(VF a, VF b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.
 inline VF vdiv(VF a, VF b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 // a > b ? a : b per lane, as the portable build (maxps returns its second operand unless the first is greater)
 inline VF vmax(VF a, VF b) { return {_mm256_max_ps(b.lo, a.lo), _mm256_max_ps(b.hi, a.hi)}; }
-inline float vhsum(VF a) {
-  float v[kLanes], h[8], q[4];
-  vf_store_array(a, v);
-  for (int i = 0; i < 8; ++i) h[i] = v[i] + v[i + 8];
-  for (int i = 0; i < 4; ++i) q[i] = h[i] + h[i + 4];
-  const float d0 = q[0] + q[2], d1 = q[1] + q[3];
-  return d0 + d1;
-}
-inline float vhmax(VF a) {
-  float v[kLanes];
-  vf_store_array(a, v);
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = v[i] > m ? v[i] : m;
-  return m;
-}
-inline VF vexp(VF x) {
-  float v[kLanes];
-  vf_store_array(x, v);
-  for (int i = 0; i < kLanes; ++i) v[i] = v[i] < -87.0f ? 0.f : std::exp(v[i]);
-  return vf_load_array(v);
-}
-inline void vhsum4(VF a, VF b, VF c, VF d, float* out) {
-  out[0] = vhsum(a);
-  out[1] = vhsum(b);
-  out[2] = vhsum(c);
-  out[3] = vhsum(d);
-}
-inline float e2m1_value(int code) {
-  static const float kLut[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-  return kLut[code & 15];
-}
-inline VF vload_fp8(const uint8_t* p) {
-  float a[kLanes];
-  for (int i = 0; i < kLanes; ++i) a[i] = kE4m3.v[p[i]] * (1.0f / 256.0f);
-  return vf_load_array(a);
-}
-inline VF vload_fp8_n(const uint8_t* p, int64_t n) {
-  float a[kLanes];
-  for (int i = 0; i < kLanes; ++i) a[i] = i < n ? kE4m3.v[p[i]] * (1.0f / 256.0f) : 0.f;
-  return vf_load_array(a);
-}
-inline void vload_nvfp4_32(const uint8_t* p, VF& lo, VF& hi) {
-  float a[kLanes], b[kLanes];
-  for (int i = 0; i < kLanes; ++i) {
-    a[i] = e2m1_value(p[i]);
-    b[i] = e2m1_value(p[i] >> 4);
-  }
-  lo = vf_load_array(a);
-  hi = vf_load_array(b);
-}
-inline VF vload_nvfp4_16(const uint8_t* p) {
-  float a[kLanes];
-  for (int i = 0; i < 8; ++i) {
-    a[i] = e2m1_value(p[i]);
-    a[i + 8] = e2m1_value(p[i] >> 4);
-  }
-  return vf_load_array(a);
-}
 #else
 struct VF {
   float v[kLanes];
 };
+using Lanes = VF;
+inline Lanes lanes(VF x) { return x; }
+inline VF from_lanes(const Lanes& a) { return a; }
 inline VF vzero() {
   VF r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = 0.f;
@@ -259,32 +197,13 @@ inline VF vload(const float* p) {
   for (int i = 0; i < kLanes; ++i) r.v[i] = p[i];
   return r;
 }
-inline VF vload_n(const float* p, int64_t n) {
-  VF r;
-  for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? p[i] : 0.f;
-  return r;
-}
-inline float bf16_to_f32(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 inline VF vload(const uint16_t* p) {
   VF r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = bf16_to_f32(p[i]);
   return r;
 }
-inline VF vload_n(const uint16_t* p, int64_t n) {
-  VF r;
-  for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? bf16_to_f32(p[i]) : 0.f;
-  return r;
-}
 inline void vstore(float* p, VF a) {
   for (int i = 0; i < kLanes; ++i) p[i] = a.v[i];
-}
-inline void vstore_n(float* p, VF a, int64_t n) {
-  for (int i = 0; i < kLanes && i < n; ++i) p[i] = a.v[i];
 }
 #if defined(__FMA__)
 inline float fma1(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
@@ -308,22 +227,41 @@ MTP_VF_BINOP(vmul, a.v[i] * b.v[i])
 MTP_VF_BINOP(vdiv, a.v[i] / b.v[i])
 MTP_VF_BINOP(vmax, a.v[i] > b.v[i] ? a.v[i] : b.v[i])
 #undef MTP_VF_BINOP
-inline float vhsum(VF a) {
+#endif
+
+// lane by lane, for the AVX2 and the portable build alike
+inline VF vload_n(const float* p, int64_t n) {
+  Lanes r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? p[i] : 0.f;
+  return from_lanes(r);
+}
+inline VF vload_n(const uint16_t* p, int64_t n) {
+  Lanes r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? bf16_to_f32(p[i]) : 0.f;
+  return from_lanes(r);
+}
+inline void vstore_n(float* p, VF x, int64_t n) {
+  const Lanes a = lanes(x);
+  for (int i = 0; i < kLanes && i < n; ++i) p[i] = a.v[i];
+}
+inline float vhsum(VF x) {
+  const Lanes a = lanes(x);
   float h[8], q[4];
   for (int i = 0; i < 8; ++i) h[i] = a.v[i] + a.v[i + 8];
   for (int i = 0; i < 4; ++i) q[i] = h[i] + h[i + 4];
   const float d0 = q[0] + q[2], d1 = q[1] + q[3];
   return d0 + d1;
 }
-inline float vhmax(VF a) {
+inline float vhmax(VF x) {
+  const Lanes a = lanes(x);
   float m = a.v[0];
   for (int i = 1; i < kLanes; ++i) m = a.v[i] > m ? a.v[i] : m;
   return m;
 }
 inline VF vexp(VF x) {
-  VF r;
-  for (int i = 0; i < kLanes; ++i) r.v[i] = x.v[i] < -87.0f ? 0.f : std::exp(x.v[i]);
-  return r;
+  Lanes r = lanes(x);
+  for (int i = 0; i < kLanes; ++i) r.v[i] = r.v[i] < -87.0f ? 0.f : std::exp(r.v[i]);
+  return from_lanes(r);
 }
 inline void vhsum4(VF a, VF b, VF c, VF d, float* out) {
   out[0] = vhsum(a);
@@ -337,28 +275,31 @@ inline float e2m1_value(int code) {
   return kLut[code & 15];
 }
 inline VF vload_fp8(const uint8_t* p) {
-  VF r;
+  Lanes r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = kE4m3.v[p[i]] * (1.0f / 256.0f);
-  return r;
+  return from_lanes(r);
 }
 inline VF vload_fp8_n(const uint8_t* p, int64_t n) {
-  VF r;
+  Lanes r;
   for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? kE4m3.v[p[i]] * (1.0f / 256.0f) : 0.f;
-  return r;
+  return from_lanes(r);
 }
 inline void vload_nvfp4_32(const uint8_t* p, VF& lo, VF& hi) {
+  Lanes a, b;
   for (int i = 0; i < kLanes; ++i) {
-    lo.v[i] = e2m1_value(p[i]);
-    hi.v[i] = e2m1_value(p[i] >> 4);
+    a.v[i] = e2m1_value(p[i]);
+    b.v[i] = e2m1_value(p[i] >> 4);
   }
+  lo = from_lanes(a);
+  hi = from_lanes(b);
 }
 inline VF vload_nvfp4_16(const uint8_t* p) {
-  VF r;
+  Lanes r;
   for (int i = 0; i < 8; ++i) {
     r.v[i] = e2m1_value(p[i]);
     r.v[i + 8] = e2m1_value(p[i] >> 4);
   }
-  return r;
+  return from_lanes(r);
 }
 #endif
 

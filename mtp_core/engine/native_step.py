@@ -132,19 +132,18 @@ class NativeStep:
         would keep the whole step's states alive)."""
         if not self.K:
             return
-        lens = [len(r.token_ids) for r in rows]
-        per_row = hidden.split(lens) if len(rows) > 1 else [hidden]
-        views_ok = max(lens) == 1
-        K = self.K
+        views_ok = hidden.shape[0] == len(rows)
+        K, first = self.K, 0                 # first: the row's first position in hidden [T, H]
         for b, (r, row, n) in enumerate(zip(rows, out, limits)):
             seq, valid = r.seq, r.start + row[0]
+            first, at = first + len(r.token_ids), first
             if n:
                 if self.vanilla:      # the main hidden states of its last min(K, window) valid positions
                     kept = min(K, valid - max(min(valid - K, seq.mtp_valid), 0))
                     seq.window_hidden = windows[b, K - kept:]
                 seq.mtp_valid, seq.mtp_pending = valid, None
             elif not seq.spec_off:
-                h = per_row[b][:row[0]]
+                h = hidden[at:at + row[0]]
                 if seq.mtp_pending is None:
                     seq.mtp_pending = []
                 seq.mtp_pending.append(h if views_ok else h.clone())
