@@ -115,7 +115,7 @@ def calibration(model, base, eos, think, prompts, outs) -> dict:
     orig = dmod._MTPRunner.draft
 
     def draft(self, g):
-        logits = self.model.compute_logits(g).float()
+        logits = self.path.logits(g).float()
         p, d = torch.softmax(logits, -1).max(-1)
         probs.extend(p.tolist())
         return d.tolist()

@@ -171,13 +171,13 @@ def cmd_bench(args) -> int:
     torch = __import__("torch")
     dev = _setup(args.dry_run)
     import torch.nn.functional as F
-    from mtp_core.kernels import NATIVE, mla_decode, nvfp4_gemm
+    from mtp_core.kernels import native_ops, mla_decode, nvfp4_gemm
     from mtp_core.kernels.dispatch import choose_linear_kernel, linear_target
     from mtp_core.loader.quant.fp8 import quantize_fp8_block
     from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
     dry = args.dry_run
     reps = 1 if dry else 5
-    print(f"kernels: {NATIVE.summary}")
+    print(f"kernels: {native_ops().summary}")
 
     n_bytes = (1 << 20) if dry else (1 << 30)
     src = torch.ones(n_bytes, dtype=torch.uint8, device=dev)       # written: untouched pages read as zero

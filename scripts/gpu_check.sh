@@ -159,12 +159,12 @@ import_check() {
   "$PYTHON" - "$DRY" <<'EOF'
 import sys
 import mtp_core.kernels as k
-print(k.NATIVE.summary)
+print(k.native_ops().summary)
 if sys.argv[1] == "1":
-    assert not k.NATIVE.cpu, "dry run must use the torch references"
+    assert not k.native_ops().cpu, "dry run must use the torch references"
 else:
     import torch
-    assert k.NATIVE.cuda_ok(torch.device("cuda", 0)), "mtp_core._C_cuda did not load for this GPU"
+    assert k.native_ops().cuda_ok(torch.device("cuda", 0)), "mtp_core._C_cuda did not load for this GPU"
 EOF
 }
 export -f import_check

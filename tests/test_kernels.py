@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,9 +22,9 @@ from mtp_core.kernels.native import load_native_ops
 
 torch.set_num_threads(1)
 
-if not kernels.NATIVE.cpu and os.environ.get("MTP_CORE_REQUIRE_NATIVE") == "1":
-    raise RuntimeError(f"MTP_CORE_REQUIRE_NATIVE=1 but {kernels.NATIVE.summary}")
-needs_native = pytest.mark.skipif(not kernels.NATIVE.cpu, reason=kernels.NATIVE.summary)
+if not kernels.native_ops().cpu and os.environ.get("MTP_CORE_REQUIRE_NATIVE") == "1":
+    raise RuntimeError(f"MTP_CORE_REQUIRE_NATIVE=1 but {kernels.native_ops().summary}")
+needs_native = pytest.mark.skipif(not kernels.native_ops().cpu, reason=kernels.native_ops().summary)
 
 
 def native_mla(*args):
@@ -166,6 +168,19 @@ def test_backend_modes() -> None:
     assert not ops.cpu and ops.cuda_archs == () and "reference" in ops.summary
     with pytest.raises(ValueError, match="MTP_CORE_KERNELS"):
         load_native_ops("fast")
+
+
+def test_importing_the_engine_loads_no_kernels_and_reads_no_setting() -> None:
+    """The kernel choice is made on first use, not at import: importing every engine module leaves the native
+    extension unloaded, and a bad MTP_CORE_KERNELS only fails once a kernel is asked for."""
+    code = ("import sys, mtp_core.llm, mtp_core.kernels as k\n"
+            "assert 'mtp_core._C' not in sys.modules, 'imported at import time'\n"
+            "assert k.native_ops.cache_info().currsize == 0\n"
+            "try:\n    k.native_ops()\nexcept ValueError as e:\n    print('refused:', e)\n")
+    env = dict(os.environ, MTP_CORE_KERNELS="fast")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "refused: MTP_CORE_KERNELS='fast'" in r.stdout
 
 
 # ---- fused CPU elementwise ops (rms_norm, rope) ------------------------------------------------

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mtp_core.kernels import (
-    NATIVE, mla_decode, mla_decode_ref, nvfp4_gemm, nvfp4_gemm_ref, nvfp4_quantize, nvfp4_w4a4_gemm,
+    native_ops, mla_decode, mla_decode_ref, nvfp4_gemm, nvfp4_gemm_ref, nvfp4_quantize, nvfp4_w4a4_gemm,
     nvfp4_w4a4_gemm_ref, quantize_nvfp4_ref)
 
 torch.set_num_threads(1)
@@ -26,8 +26,8 @@ def device() -> torch.device:
     major, minor = torch.cuda.get_device_capability(dev)
     if f"{major}{minor}a" not in TARGETS:
         pytest.skip(f"the CUDA kernels target sm_90a / sm_100a, this GPU is sm_{major}{minor}")
-    if not NATIVE.cuda_ok(dev):
-        pytest.fail(f"mtp_core._C_cuda is not usable here: {NATIVE.summary}")
+    if not native_ops().cuda_ok(dev):
+        pytest.fail(f"mtp_core._C_cuda is not usable here: {native_ops().summary}")
     return dev
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mtp_core.kernels import NATIVE, nvfp4_gemm_ref, nvfp4_w4a4_gemm_ref
+from mtp_core.kernels import native_ops, nvfp4_gemm_ref, nvfp4_w4a4_gemm_ref
 from mtp_core.kernels.dispatch import choose_linear_kernel, linear_target
 from mtp_core.loader.quant.fp8 import fp8_block_linear_reference, quantize_fp8_block
 from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
@@ -39,7 +39,7 @@ def test_nvfp4_linear_runs_the_chosen_kernel(device) -> None:
     want_kernel, why = choose_linear_kernel("nvfp4", 512, 1024, torch.bfloat16, linear_target(device),
                                             has_input_scale=True)
     assert module.kernel == want_kernel, why
-    if NATIVE.cuda_ok(device) or torch.cuda.get_device_capability(device)[0] == 10:
+    if native_ops().cuda_ok(device) or torch.cuda.get_device_capability(device)[0] == 10:
         assert module.kernel != "dequant", module.kernel_reason
     args = (module.weight_packed, module.weight_scale, module.weight_scale_2)
     ref = (nvfp4_w4a4_gemm_ref(x.float(), *args, module.input_scale) if module.kernel == "nvfp4_w4a4"

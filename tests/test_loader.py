@@ -103,7 +103,7 @@ def test_dtype_selection(tmp_path: Path) -> None:
     # and compute in fp32), and is upcast to float32 without them
     save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, str(tmp_path / "model.safetensors"))
     up, _ = load_model(tmp_path, "auto")
-    want = torch.bfloat16 if kernels.NATIVE.cpu else torch.float32
+    want = torch.bfloat16 if kernels.native_ops().cpu else torch.float32
     assert resolve_dtype("auto", "cpu", torch.bfloat16) == want
     assert {p.dtype for n, p in up.named_parameters() if "mlp.gate." not in n} == {want}
     assert torch.equal(up.lm_head.weight.float(), state["lm_head.weight"].to(torch.bfloat16).float())

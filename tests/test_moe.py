@@ -226,6 +226,22 @@ def test_fused_dense_small_batch_matches_routed(n_shared) -> None:
     assert used == [4, 16]
 
 
+def test_the_static_step_takes_the_dense_path_at_every_batch_size() -> None:
+    """The captured (CUDA-graph) step needs fixed shapes: its metadata (AttentionMetadata.uniform, static_shapes)
+    sends every MoE through the dense path, at a batch the eager forward would route; same values."""
+    moe = MoE(make_cfg(n_shared_experts=1, num_experts_per_tok=2)).eval()
+    init_weights(moe, 5, std=0.1)
+    x = torch.randn(40, HIDDEN, generator=torch.Generator().manual_seed(4))     # > DENSE_MAX_TOKENS
+    with torch.no_grad():
+        assert moe.fuse_for_decode()
+        used: list[int] = []
+        orig = moe.dense
+        moe.dense = lambda x, w, i: used.append(x.shape[0]) or orig(x, w, i)
+        routed = moe(x)
+        assert used == []
+        assert (moe.forward_static(x) - routed).abs().max() <= 1e-5 and used == [40]
+
+
 def test_fusion_leaves_training_on_the_routed_path() -> None:
     moe = MoE(make_cfg())
     init_weights(moe, 1, std=0.1)

@@ -31,9 +31,9 @@ from mtp_core.model.native_weights import COLS, FP8, NVFP4, ROWS, Matrix, _fp8_s
 from mtp_core.tiny import tiny_config_dict
 
 ROOT = Path(__file__).resolve().parent.parent
-if not kernels.NATIVE.cpu and os.environ.get("MTP_CORE_REQUIRE_NATIVE") == "1":
-    raise RuntimeError(f"MTP_CORE_REQUIRE_NATIVE=1 but {kernels.NATIVE.summary}")
-pytestmark = pytest.mark.skipif(not kernels.NATIVE.cpu, reason=kernels.NATIVE.summary)
+if not kernels.native_ops().cpu and os.environ.get("MTP_CORE_REQUIRE_NATIVE") == "1":
+    raise RuntimeError(f"MTP_CORE_REQUIRE_NATIVE=1 but {kernels.native_ops().summary}")
+pytestmark = pytest.mark.skipif(not kernels.native_ops().cpu, reason=kernels.native_ops().summary)
 
 PAGE = 4
 LAYOUTS = ("direct", "packed")
@@ -230,6 +230,30 @@ def test_batch_invariance_is_bitwise(layout, quant) -> None:
         assert torch.equal(torch.cat(one_by_one), together)
         assert torch.equal(nd.logits(torch.cat(one_by_one)), nd.logits(together))
         assert all(torch.equal(a, b) for a, b in zip(caches_a, caches_b))
+
+
+def test_a_batch_over_the_call_limit_runs_as_several_calls_with_the_same_result() -> None:
+    """A forward of more tokens than one native call takes (max_tokens) is cut into consecutive calls, a row
+    possibly in two (its second part reads the first part's cache entries, as a chunked prefill does): hidden
+    states and caches bitwise those of one call, for the target forward and an MTP module."""
+    model = tiny_model(num_layers=2, num_mtp=1)
+    whole = NativeDecoder.build(model, "direct")
+    cut = NativeDecoder(model, whole.weights, max_tokens=4)
+    D = model.config.kv_lora_rank + model.config.qk_rope_head_dim
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randn(64, PAGE, D, generator=g)
+    rows, tables = [list(range(0, 7)), list(range(9, 12)), [20]], [[5, 9], [2, 11, 3], [7, 1, 4, 6, 8, 10]]
+    ids = torch.randint(7, 96, (11,), generator=g)
+    hidden = torch.randn(11, model.config.hidden_size, generator=g)
+    with torch.inference_mode():
+        for call in (lambda nd, m, c: nd.forward(ids, m, c), lambda nd, m, c: nd.mtp_forward(0, ids, hidden, m, c)):
+            caches_a = [prefix.clone() for _ in range(3)]
+            caches_b = [prefix.clone() for _ in range(3)]
+            a = call(whole, AttentionMetadata.build(rows, tables, PAGE, use_absorbed=False), caches_a)
+            b = call(cut, AttentionMetadata.build(rows, tables, PAGE, use_absorbed=False), caches_b)
+            assert a.shape == b.shape == (11, model.config.hidden_size)
+            assert torch.equal(a, b)
+            assert all(torch.equal(x, y) for x, y in zip(caches_a, caches_b))
 
 
 @pytest.mark.parametrize("quant", ["none", "fp8", "nvfp4"])

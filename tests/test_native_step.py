@@ -11,7 +11,7 @@ from mtp_core import kernels
 from mtp_core.sampling import SamplingParams
 from test_cuda_graphs import drafts_per_step
 
-pytestmark = pytest.mark.skipif(not kernels.NATIVE.cpu, reason=kernels.NATIVE.summary)
+pytestmark = pytest.mark.skipif(not kernels.native_ops().cpu, reason=kernels.native_ops().summary)
 torch.set_num_threads(1)
 MAX_TOKENS = 24
 

@@ -66,7 +66,7 @@ def test_deterministic_per_seed(moon, tmp_path) -> None:
         write_scale_checkpoint(tmp_path / "x", "llama")
 
 
-@pytest.mark.skipif(not kernels.NATIVE.cpu, reason=kernels.NATIVE.summary)
+@pytest.mark.skipif(not kernels.native_ops().cpu, reason=kernels.native_ops().summary)
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_engine_on_the_scale_shape(moon, tmp_path, fmt) -> None:
     """Direct layout (weights in place, run-time absorption, no q_lora, one group, 2 shared experts): greedy

@@ -145,9 +145,10 @@ def forward_costs(model: Any, base: LLMConfig, eos: list[int], prompt: list[int]
     ids = torch.tensor(prompt[-1:], device=base.device)
     out: dict[str, float] = {}
     with torch.inference_mode():
-        hidden = model(ids, meta, engine.caches)
-        calls = {"main_forward_ms": lambda: model(ids, meta, engine.caches),
-                 "mtp_forward_ms": lambda: model.mtp_forward(0, ids, hidden, meta, engine.caches)}
+        path = engine.forward_path
+        hidden = path.forward(ids, meta, engine.caches)
+        calls = {"main_forward_ms": lambda: path.forward(ids, meta, engine.caches),
+                 "mtp_forward_ms": lambda: path.mtp_forward(0, ids, hidden, meta, engine.caches)}
         for name, f in calls.items():
             f()
             best = float("inf")
@@ -160,7 +161,7 @@ def forward_costs(model: Any, base: LLMConfig, eos: list[int], prompt: list[int]
     if not seq.is_finished:
         engine.abort(seq)
     out["mtp_over_main"] = out["mtp_forward_ms"] / out["main_forward_ms"]
-    out["native"] = model.native is not None
+    out["native"] = engine.forward_path.name == "native"
     return out
 
 

@@ -37,6 +37,7 @@ from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, plan_num_blocks
 from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
 from mtp_core.model import DeepseekV3ForCausalLM
+from mtp_core.model.forward_path import serving_forward
 from mtp_core.sampling import SamplingParams, process_logits, token_logprobs
 from mtp_core.speculative.adaptive import MAX_MTP_LAG
 from mtp_core.speculative.drafter import DraftInput, Drafter, EagleDrafter, VanillaDrafter
@@ -64,7 +65,7 @@ class Engine:
         if self.relaxed and think_ids is None:
             raise ValueError("relaxed acceptance for thinking needs <think> and </think> tokens, but the tokenizer "
                              "has neither; drop --use_relaxed_acceptance_for_thinking")
-        model.ensure_decode_fused()
+        self.forward_path = serving_forward(model)     # native or torch, for every eager forward of this engine
         kv = cfg.kv_cache_config
         device = cfg.device
         # the KV cache in the model's dtype, or e4m3 (kv_cache_config.dtype fp8: per-tensor scale 1, see
@@ -83,7 +84,7 @@ class Engine:
         self.policy = self._make_policy()
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, self.K + 1), self.K,
                                    cfg.enable_chunked_prefill, policy=self.policy)
-        self.runner = ModelRunner(model, self.caches, kv.tokens_per_block, device)
+        self.runner = ModelRunner(self.forward_path, self.caches, kv.tokens_per_block, device)
         self.drafter = drafter if drafter is not None else self._make_drafter()
         mode = spec.resolved_mode(model.num_mtp_modules) if self.K and model.num_mtp_modules else None
         self.scheduler.reuse = ReusePolicy.for_drafting(mode, self.K)
@@ -95,11 +96,11 @@ class Engine:
                         and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
         # on a CPU with the native forward: the whole decode step in one native call where the batch allows
         use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
-        self.native_step = (NativeStep(model, self.caches, self.K, self.relaxed,
+        self.native_step = (NativeStep(model, self.forward_path, self.caches, self.K, self.relaxed,
                                        fixed_counts=self.policy.policy == "fixed", vanilla=mode == "vanilla",
                                        confidence=spec.draft_confidence_threshold if spec else 0.0)
                             if use_native_step and self.graphs is None and not self.overlap and drafter is None
-                            and model.native is not None else None)
+                            and self.forward_path.name == "native" else None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap") if self.overlap else None
         self._prepared: Optional[tuple[list[ScheduledRow], AttentionMetadata]] = None
         self.grammar_factory: Optional[Callable[[], GrammarBackend]] = None   # set by LLM (it has the tokenizer)
@@ -141,7 +142,7 @@ class Engine:
         mode = spec.resolved_mode(n)
         cls = VanillaDrafter if mode == "vanilla" else EagleDrafter
         log.info("MTP %s drafting, max_draft_len=%d, %d module(s) in the checkpoint", mode, self.K, n)
-        return cls(self.model, self.caches, self.blocks.tokens_per_block, self.K,
+        return cls(self.model, self.forward_path, self.caches, self.blocks.tokens_per_block, self.K,
                    confidence_threshold=spec.draft_confidence_threshold)
 
     def _make_graphs(self) -> Optional[GraphRunner]:

@@ -35,7 +35,6 @@ import torch
 
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
-from mtp_core.model.moe import MoE
 from mtp_core.speculative.verifier import relaxed_counted
 
 log = logging.getLogger("mtp.graphs")
@@ -125,10 +124,8 @@ class StaticDecodeStep:
         return verify_static(logits, self.input_ids[:, 1:], self.thinking, self.relaxed, self.offsets)
 
     def forward(self) -> None:
-        with MoE.dense_only():
-            self._forward()
-
-    def _forward(self) -> None:
+        """The step over the input buffers: the model's torch modules over device-only metadata (every MoE dense:
+        AttentionMetadata.static_shapes), so a CUDA graph can capture it."""
         model, caches, K = self.model, self.caches, self.K
         positions = self.start[:, None] + self.offsets                          # [B, K+1]
         meta = self._meta(positions)

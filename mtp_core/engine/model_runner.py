@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from mtp_core.engine.scheduler import ScheduledRow
-from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+from mtp_core.model import AttentionMetadata
+from mtp_core.model.forward_path import ForwardPath
 
 
 @dataclass
@@ -19,9 +20,8 @@ class TargetOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int,
-                 device: str) -> None:
-        self.model, self.caches, self.tokens_per_block, self.device = model, caches, tokens_per_block, device
+    def __init__(self, path: ForwardPath, caches: list[torch.Tensor], tokens_per_block: int, device: str) -> None:
+        self.path, self.caches, self.tokens_per_block, self.device = path, caches, tokens_per_block, device
 
     def prepare(self, rows: list[ScheduledRow]) -> AttentionMetadata:
         """Host-side inputs of a step: positions, slots, padded index maps (no token ids needed)."""
@@ -33,16 +33,16 @@ class ModelRunner:
     def execute(self, rows: list[ScheduledRow], meta: AttentionMetadata | None = None) -> TargetOutput:
         meta = meta if meta is not None else self.prepare(rows)
         ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long, device=self.device)
-        hidden = self.model(ids, meta, self.caches)                          # [T, H]
+        hidden = self.path.forward(ids, meta, self.caches)                          # [T, H]
         per_row = list(hidden.split([len(r.token_ids) for r in rows]))
         # one lm_head call for every position whose logits are needed
         wanted = [h if not r.is_prefill else h[-1:] for r, h in zip(rows, per_row)
                   if not r.is_prefill or r.is_final_chunk]
-        logits_iter = iter(self.model.compute_logits(torch.cat(wanted)).split([len(w) for w in wanted])) \
+        logits_iter = iter(self.path.logits(torch.cat(wanted)).split([len(w) for w in wanted])) \
             if wanted else iter(())
         logits = [next(logits_iter) if (not r.is_prefill or r.is_final_chunk) else None for r in rows]
         prompt_logits = None
         if any(r.is_prefill and r.seq.wants_prompt_logprobs for r in rows):
-            prompt_logits = [self.model.compute_logits(h) if r.is_prefill and r.seq.wants_prompt_logprobs else None
+            prompt_logits = [self.path.logits(h) if r.is_prefill and r.seq.wants_prompt_logprobs else None
                              for r, h in zip(rows, per_row)]
         return TargetOutput(per_row, logits, prompt_logits)

@@ -26,15 +26,16 @@ import torch
 
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import DeepseekV3ForCausalLM
+from mtp_core.model.native_decode import NativeDecoder
 from mtp_core.speculative.adaptive import MAX_MTP_LAG
 
 
 class NativeStep:
-    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int,
+    def __init__(self, model: DeepseekV3ForCausalLM, native: NativeDecoder, caches: list[torch.Tensor], K: int,
                  relaxed: Optional[tuple[int, float]], fixed_counts: bool, vanilla: bool = False,
                  confidence: float = 0.0) -> None:
         self.caches, self.K = caches, K
-        self.native = model.native
+        self.native = native
         self.hidden_size = model.config.hidden_size
         self.mtp_layer = model.num_main_layers if K else -1  # the first MTP module; -1: no drafting (nextn = 0)
         self.vanilla = vanilla and K > 1                     # modules 0..K-1, each over the row's window

@@ -1,6 +1,6 @@
 """The one place that chooses between a native kernel and its torch reference.
 
-`NATIVE` is resolved once at import (env MTP_CORE_KERNELS=auto|reference) and logged. Each op then
+`native_ops()` is resolved once, on first use (env MTP_CORE_KERNELS=auto|reference), and logged. Each op then
 checks its input contract (ValueError on misuse) and runs the native kernel when one exists for
 these tensors (device, dtypes, fixed GPU shapes), the torch reference otherwise.
 """
@@ -18,13 +18,11 @@ import torch.nn.functional as F
 from mtp_core.kernels.native_ref import mat_gemm_ref
 from mtp_core.kernels.fused_ref import rms_norm_ref, rope_ref
 from mtp_core.kernels.mla_decode_ref import mla_decode_ref
-from mtp_core.kernels.native import NativeOps, load_native_ops, note_fallback
+from mtp_core.kernels.native import native_ops, note_fallback
 from mtp_core.kernels.nvfp4_gemm_ref import (
     BLOCK_SIZE, nvfp4_gemm_ref, nvfp4_w4a4_gemm_ref, quantize_nvfp4_ref, swizzle_block_scales)
 
 log = logging.getLogger("mtp_core.kernels")
-NATIVE: NativeOps = load_native_ops(os.environ.get("MTP_CORE_KERNELS", "auto"))
-log.info("mtp_core.kernels: %s", NATIVE.summary)
 
 _CPU_Q_DTYPES = (torch.float32, torch.bfloat16)
 _CPU_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)
@@ -55,12 +53,12 @@ def _check_mla(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor, 
 def _mla_native_reason(q_lat: torch.Tensor, q_pe: torch.Tensor, kv_cache: torch.Tensor) -> Optional[str]:
     """None when the native kernel takes these inputs, else why not."""
     if q_lat.device.type == "cpu":
-        if not NATIVE.cpu:
+        if not native_ops().cpu:
             return "no native CPU ops"
         if q_lat.dtype not in _CPU_Q_DTYPES or q_pe.dtype != q_lat.dtype or kv_cache.dtype not in _CPU_CACHE_DTYPES:
             return f"CPU kernel takes fp32/bf16 queries, got {q_lat.dtype}/{q_pe.dtype} with a {kv_cache.dtype} cache"
         return None
-    if q_lat.device.type != "cuda" or not NATIVE.cuda_ok(q_lat.device):
+    if q_lat.device.type != "cuda" or not native_ops().cuda_ok(q_lat.device):
         return f"no native kernel for {q_lat.device}"
     if q_lat.dtype != torch.bfloat16 or q_pe.dtype != torch.bfloat16 or kv_cache.dtype != torch.float8_e4m3fn:
         return f"GPU kernel takes bf16 queries and a float8_e4m3fn cache, got {q_lat.dtype} / {kv_cache.dtype}"
@@ -109,7 +107,7 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """
     _check_nvfp4_weight(x, weight, weight_scale, weight_scale_2)
     x2 = x.reshape(-1, x.shape[-1])                                                     # [M, K]
-    if x.is_cuda and NATIVE.cuda_ok(x.device) and x.dtype == torch.bfloat16 and x.shape[-1] % 64 == 0:
+    if x.is_cuda and native_ops().cuda_ok(x.device) and x.dtype == torch.bfloat16 and x.shape[-1] % 64 == 0:
         out = torch.ops.mtp_core.nvfp4_gemm(x2, weight, weight_scale, weight_scale_2.float().reshape(1))
     else:
         note_fallback("nvfp4_gemm", f"{x.device} {x.dtype} K={x.shape[-1]}")
@@ -123,7 +121,7 @@ def nvfp4_quantize(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.T
     if x.dim() != 2 or x.shape[1] % BLOCK_SIZE or global_scale.numel() != 1:
         raise ValueError(f"nvfp4_quantize: x must be [M, K] with K a multiple of 16 and global_scale a scalar, "
                          f"got {tuple(x.shape)}")
-    if x.is_cuda and NATIVE.cuda_ok(x.device) and x.dtype == torch.bfloat16:
+    if x.is_cuda and native_ops().cuda_ok(x.device) and x.dtype == torch.bfloat16:
         return torch.ops.mtp_core.nvfp4_quantize(x, global_scale.float().reshape(1))
     note_fallback("nvfp4_quantize", f"{x.device} {x.dtype}")
     return quantize_nvfp4_ref(x, global_scale)
@@ -164,7 +162,7 @@ def nvfp4_w4a4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 def _native_cpu_elementwise(*tensors: torch.Tensor) -> bool:
     """The fused CPU ops take fp32/bf16 CPU tensors and have no autograd formula."""
     x = tensors[0]
-    return (NATIVE.cpu and x.device.type == "cpu" and x.dtype in _CPU_Q_DTYPES
+    return (native_ops().cpu and x.device.type == "cpu" and x.dtype in _CPU_Q_DTYPES
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
@@ -186,7 +184,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 def cpu_amx() -> bool:
     """AMX tiles are usable (CPU, kernel permission) and not capped off by MTP_CORE_CPU_ISA (avx512, avx2 or
     generic turn them off; auto and amx keep them): the native forward then runs bf16 weights' GEMMs on them."""
-    if not NATIVE.cpu or os.environ.get("MTP_CORE_CPU_ISA", "auto") not in ("auto", "amx"):
+    if not native_ops().cpu or os.environ.get("MTP_CORE_CPU_ISA", "auto") not in ("auto", "amx"):
         return False
     import mtp_core._C as _C
     return bool(_C.cpu_amx())
@@ -195,7 +193,7 @@ def cpu_amx() -> bool:
 def cpu_isa() -> str:
     """The instruction set of the native CPU decode kernels (avx512 / avx2 / generic; MTP_CORE_CPU_ISA caps
     it), or "reference" when the native ops are not loaded."""
-    if not NATIVE.cpu:
+    if not native_ops().cpu:
         return "reference"
     import mtp_core._C as _C
     return _C.cpu_isa()
@@ -207,7 +205,7 @@ def mat_gemm(x: torch.Tensor, m, amx: bool = False) -> torch.Tensor:
     amx: the AMX tile GEMM (bf16 row-wise weights; x rounded to bf16), where cpu_amx()."""
     if x.dim() != 2 or x.shape[1] != m.k:
         raise ValueError(f"mat_gemm: x must be [T, {m.k}], got {tuple(x.shape)}")
-    if NATIVE.cpu and x.device.type == "cpu":
+    if native_ops().cpu and x.device.type == "cpu":
         return torch.ops.mtp_core.mat_gemm(x, m.data, m.scale, m.gscale, m.bias, m.layout, m.fmt, m.n, m.k,
                                            m.scale_r0, m.gscale2, amx)
     note_fallback("mat_gemm", f"{x.device}: no native op")
@@ -246,7 +244,7 @@ def _cuda_linear_target(index: int) -> LinearTarget:
     scaled_mm = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") and all(
         hasattr(F.ScalingType, n) for n in ("BlockWise1x128", "BlockWise128x128", "BlockWise1x16"))
     deep_gemm = capability[0] == 9 and load_deep_gemm() is not None
-    return LinearTarget("cuda", capability, NATIVE.cuda_ok(torch.device("cuda", index)), deep_gemm, scaled_mm)
+    return LinearTarget("cuda", capability, native_ops().cuda_ok(torch.device("cuda", index)), deep_gemm, scaled_mm)
 
 
 def choose_linear_kernel(fmt: str, out_features: int, in_features: int, x_dtype: torch.dtype,

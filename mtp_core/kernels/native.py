@@ -1,4 +1,4 @@
-"""Which native kernels this process can use, decided once when mtp_core.kernels is imported.
+"""Which native kernels this process can use, decided once, on first use (`native_ops()`).
 
 mtp_core._C (always built when possible) defines the op schemas and the CPU kernels;
 mtp_core._C_cuda adds the CUDA kernels for the arch-specific targets it was compiled for
@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,15 @@ def load_native_ops(mode: str) -> NativeOps:
         return NativeOps(True, (), f"native CPU kernels; CUDA ops use the torch reference "
                                    f"(mtp_core._C_cuda not available: {exc})")
     return NativeOps(True, archs, f"native CPU kernels and CUDA kernels for sm_{', sm_'.join(archs)}")
+
+
+@functools.cache
+def native_ops() -> NativeOps:
+    """The native kernels of this process: resolved on the first call (never at import, so importing mtp_core
+    has no side effect) from env MTP_CORE_KERNELS (auto | reference), logged once, then fixed."""
+    ops = load_native_ops(os.environ.get("MTP_CORE_KERNELS", "auto"))
+    log.info("mtp_core.kernels: %s", ops.summary)
+    return ops
 
 
 @functools.cache

@@ -34,7 +34,7 @@ _HEADER_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.flo
 def native_cpu() -> bool:
     """The native CPU kernels are loaded (they read bf16 and packed FP8 / NVFP4 weights in place)."""
     from mtp_core import kernels
-    return kernels.NATIVE.cpu
+    return kernels.native_ops().cpu
 
 
 def checkpoint_dtype(ckpt: Checkpoint) -> Optional[torch.dtype]:

@@ -36,6 +36,7 @@ class AttentionMetadata:
 
     num_rows: int
     query_start_i32: torch.Tensor | None = None   # [B+1] int32 (build() only: the native forward reads it)
+    static_shapes: bool = False   # uniform() only: the captured step; every op keeps fixed shapes (dense MoE)
 
     @classmethod
     def uniform(cls, positions: torch.Tensor, slot_mapping: torch.Tensor, block_tables_i32: torch.Tensor,
@@ -47,7 +48,8 @@ class AttentionMetadata:
         q = positions.shape[0] // num_rows
         return cls(positions=positions, slot_mapping=slot_mapping, query_start=list(range(0, q * num_rows + 1, q)),
                    context_lens=[], use_absorbed=True, block_tables_i32=block_tables_i32, seqlens_i32=seqlens_i32,
-                   uniform_q=True, row_positions=[], block_tables=[], tokens_per_block=0, num_rows=num_rows)
+                   uniform_q=True, row_positions=[], block_tables=[], tokens_per_block=0, num_rows=num_rows,
+                   static_shapes=True)
 
     def _cached(self, name: str, make) -> torch.Tensor:
         value = self.__dict__.get(name)

@@ -30,4 +30,7 @@ class DecoderLayer(nn.Module):
         else:
             h = self.self_attn(h, rope, cos, sin, meta, kv_cache)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if meta is not None and meta.static_shapes and isinstance(self.mlp, MoE):
+            return x + self.mlp.forward_static(h)      # the captured step: every expert, fixed shapes
+        return x + self.mlp(h)

@@ -81,9 +81,8 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """input_ids [T] -> hidden [T, hidden] after the final norm."""
-        if self.native is not None and self.native.accepts(meta):
-            return self.native.forward(input_ids, meta, kv_caches)
+        """input_ids [T] -> hidden [T, hidden] after the final norm: the torch path (an engine may serve its
+        forwards natively instead: forward_path.py)."""
         cos, sin = self.rope.cos_sin(meta.positions)
         x = self.model.embed_tokens(input_ids)
         for i in range(self.num_main_layers):
@@ -91,16 +90,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] in float32 (batch-invariant on the native path)."""
-        if self.native is not None and not torch.is_grad_enabled():
-            return self.native.logits(hidden)
+        """hidden [N, hidden] -> logits [N, vocab] in float32."""
         return self.lm_head(hidden).float()
 
     def mtp_forward(self, k: int, input_ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                     kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """MTP module k: input_ids [T], hidden [T, hidden] -> h_out [T, hidden]."""
-        if self.native is not None and self.native.accepts(meta):
-            return self.native.mtp_forward(k, input_ids, hidden, meta, kv_caches)
         cos, sin = self.rope.cos_sin(meta.positions)
         layer = self.num_main_layers + k
         return self.mtp_module(k)(self.model.embed_tokens(input_ids), hidden, self.rope, cos, sin, meta,

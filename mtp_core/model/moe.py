@@ -1,7 +1,6 @@
 """DeepSeek MoE: sigmoid router with group-limited top-k (noaux_tc), routed + shared experts."""
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -64,19 +63,6 @@ class MoE(nn.Module):
     # ... and only when all expert weights together are at most this many bytes.
     DENSE_MAX_BYTES = 16 << 20
 
-    _force_dense = False
-
-    @classmethod
-    @contextlib.contextmanager
-    def dense_only(cls):
-        """Within: every fused MoE runs the dense path whatever the batch (static shapes, no host sync),
-        as the CUDA-graph decode step needs."""
-        cls._force_dense = True
-        try:
-            yield
-        finally:
-            cls._force_dense = False
-
     @torch.no_grad()
     def fuse_for_decode(self) -> bool:
         """Stacks the routed experts (and a same-sized shared expert as one more) into
@@ -104,6 +90,12 @@ class MoE(nn.Module):
         self.stacked = (w13.view(-1, w13.shape[-1]), w2)
         return True
 
+    def forward_static(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] through every expert (the dense path whatever T): fixed shapes and no host sync, as the
+        CUDA-graph step needs. Only for a fused MoE (fuse_for_decode returned True)."""
+        weights, idx = self.gate(x)                                               # [T, k]
+        return self.dense(x, weights, idx)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., hidden]. Each expert runs only on the tokens routed to it."""
         shape = x.shape
@@ -112,8 +104,7 @@ class MoE(nn.Module):
         # the dense path serves the paged engine's [T, hidden] batches; the reference / training layout
         # [B, S, hidden] always takes the routed loop (so it stays the unfused reference)
         serving = len(shape) == 2 and self.stacked is not None and not self.training
-        if serving and (MoE._force_dense or (x.shape[0] <= self.DENSE_MAX_TOKENS
-                                             and 2 * idx.numel() >= len(self.experts))):
+        if serving and x.shape[0] <= self.DENSE_MAX_TOKENS and 2 * idx.numel() >= len(self.experts):
             return self.dense(x, weights, idx).view(shape)
         if self.training:   # expert loads, for aux-loss-free balancing of e_score_correction_bias
             self.load_counts = torch.bincount(idx.flatten(), minlength=len(self.experts)).detach()

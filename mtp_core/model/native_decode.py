@@ -5,10 +5,10 @@ batch-invariant LM head mtp_core::decode_logits.
 Built once per model by `NativeDecoder.build` (the weights as a `DecodeWeights`, native_weights.py: read
 in place, or repacked for small models), or not at all, with one log line saying why: not a CPU, no native
 ops (`MTP_CORE_KERNELS=reference`), `MTP_CORE_NATIVE_DECODE=0`, weights it cannot read, or a distributed
-model. It serves every serving forward with host metadata: decode, verification and draft rows, and prefill
-chunks too (absorbed attention over the paged cache, causal within each row, at most MAX_TOKENS tokens per
-call), so that every token of a request is computed by the same batch-invariant code whatever shares its
-step and however its prompt was chunked. References: the model's torch path and kernels/native_ref.py.
+model. An engine that takes it (forward_path.py) serves every forward through it: decode, verification and
+draft rows, and prefill chunks too (absorbed attention over the paged cache, causal within each row), so
+that every token of a request is computed by the same batch-invariant code whatever shares its step and
+however its prompt was chunked. References: the model's torch path and kernels/native_ref.py.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from mtp_core.model.native_weights import NativeWeights, build_native_weights, c
 
 log = logging.getLogger("mtp.model")
 
-MAX_TOKENS = 16384
+MAX_TOKENS = 16384    # tokens per op call (bounds its work buffers); a larger batch runs as several calls
 _LINEARS = (nn.Linear, Fp8BlockLinear, Nvfp4Linear)
 
 
@@ -40,7 +40,9 @@ def direct_op(packet: Any) -> Callable:
 
 
 class NativeDecoder:
-    def __init__(self, model: nn.Module, weights: NativeWeights) -> None:
+    name = "native"
+
+    def __init__(self, model: nn.Module, weights: NativeWeights, max_tokens: int = MAX_TOKENS) -> None:
         self.rope = model.rope
         self.weights = weights
         self.handle = torch.classes.mtp_core.DecodeWeights(*weights.dictionaries())
@@ -49,6 +51,7 @@ class NativeDecoder:
                                                          direct_op(ops.decode_logits), direct_op(ops.mtp_step))
         self.num_main = model.num_main_layers
         self.vocab = weights.dims["vocab"]
+        self.max_tokens = max_tokens
         self.rope_len = 0
         self.grow_rope(int(model.config.max_position_embeddings) + 64)
 
@@ -58,8 +61,8 @@ class NativeDecoder:
         """None when the native decode forward can serve this model, else the reason."""
         if os.environ.get("MTP_CORE_NATIVE_DECODE", "1") == "0":
             return "MTP_CORE_NATIVE_DECODE=0"
-        if not kernels.NATIVE.cpu:
-            return kernels.NATIVE.summary
+        if not kernels.native_ops().cpu:
+            return kernels.native_ops().summary
         p = model.model.embed_tokens.weight
         if p.device.type != "cpu":
             return f"weights on {p.device}"
@@ -103,21 +106,20 @@ class NativeDecoder:
         self.rope_cos, self.rope_sin, self.rope_len = cos.float().contiguous(), sin.float().contiguous(), n
 
     # ---- serving -------------------------------------------------------------------------
-    def accepts(self, meta: AttentionMetadata) -> bool:
-        """Serving forwards with host metadata (AttentionMetadata.build, not the device-only uniform() of the
-        graph step), no autograd, at most MAX_TOKENS tokens."""
-        if meta.query_start_i32 is None or torch.is_grad_enabled() or meta.query_start[-1] > MAX_TOKENS:
-            return False
-        if max(meta.context_lens) > self.rope_len:
-            self.grow_rope(max(meta.context_lens) + 256)
-        return True
-
     def _call(self, first: int, num: int, ids: torch.Tensor, hidden: Optional[torch.Tensor],
               caches: list[torch.Tensor], meta: AttentionMetadata, final_norm: bool) -> torch.Tensor:
-        out = self.forward_op(self.handle, first, num, ids, hidden, caches, self.rope_cos, self.rope_sin,
-                              meta.positions, meta.slot_mapping, meta.query_start_i32, meta.block_tables_i32,
-                              meta.seqlens_i32, final_norm)
-        return out   # float32 whatever the weights: MTP inputs and logits see the unrounded hidden state
+        """Layers first..first+num-1 over the batch (host metadata: AttentionMetadata.build), float32 out whatever
+        the weights: MTP inputs and logits see the unrounded hidden state."""
+        if meta.query_start_i32 is None:
+            raise ValueError("the native forward needs host metadata (AttentionMetadata.build), not uniform()")
+        if meta.query_start[-1] > self.max_tokens:
+            return torch.cat([self._call(first, num, ids[a:b], None if hidden is None else hidden[a:b], caches,
+                                         part, final_norm) for a, b, part in _pieces(meta, self.max_tokens)])
+        if max(meta.context_lens) > self.rope_len:
+            self.grow_rope(max(meta.context_lens) + 256)
+        return self.forward_op(self.handle, first, num, ids, hidden, caches, self.rope_cos, self.rope_sin,
+                               meta.positions, meta.slot_mapping, meta.query_start_i32, meta.block_tables_i32,
+                               meta.seqlens_i32, final_norm)
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]) -> torch.Tensor:
         """The target model over a batch: ids [T] -> hidden [T, H] float32 after the final norm."""
@@ -132,3 +134,29 @@ class NativeDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         return self.logits_op(self.handle, flat).view(*hidden.shape[:-1], self.vocab)
+
+
+def _pieces(meta: AttentionMetadata, max_tokens: int) -> list[tuple[int, int, AttentionMetadata]]:
+    """A batch of more than max_tokens tokens as consecutive calls of at most max_tokens each: (first token, end
+    token, metadata) per call. A row may be cut in two; its second part then attends to the first part's
+    cache entries, as the next chunk of a chunked prefill does (the same values: the kernels are chunk- and
+    batch-invariant)."""
+    pieces: list[tuple[int, int, AttentionMetadata]] = []
+    rows: list[list[int]] = []
+    tables: list[list[int]] = []
+    start = used = 0
+    for positions, table in zip(meta.row_positions, meta.block_tables):
+        while positions:
+            take = positions[:max_tokens - used]
+            positions = positions[len(take):]
+            rows.append(take)
+            tables.append(table)
+            used += len(take)
+            if used == max_tokens:
+                pieces.append((start, start + used, AttentionMetadata.build(
+                    rows, tables, meta.tokens_per_block, meta.use_absorbed, device=meta.positions.device)))
+                start, used, rows, tables = start + used, 0, [], []
+    if rows:
+        pieces.append((start, start + used, AttentionMetadata.build(
+            rows, tables, meta.tokens_per_block, meta.use_absorbed, device=meta.positions.device)))
+    return pieces

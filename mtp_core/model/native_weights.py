@@ -13,10 +13,8 @@ Two layouts, chosen once per model (`choose_layout`, logged by NativeDecoder):
           MLA pre-absorbed (W_UK folded into the query projection, W_UV into o_proj), which is faster when
           the matrices are too narrow for row-wise dot products and the absorbed weights do not grow.
 
-On a CPU with AMX (Sapphire Rapids and later; `kernels.cpu_amx()`), the direct layout runs every bf16
-row-wise matrix (k a multiple of 32) on AMX tiles for every token count: activations rounded to bf16, fp32
-accumulation, still batch-invariant; prefill and large batches run 4-5x faster than fp32 FMAs. FP32
-weights, FP8 / NVFP4 and the packed layout stay on the fp32 kernels, the exact reference.
+Where the CPU has AMX (`kernels.cpu_amx()`), the direct layout's bf16 row-wise matrices run on AMX tiles
+(docs/native_cpu.md); everything else stays on the fp32 kernels, the exact reference.
 
 `Matrix.dense()` gives every matrix's real values in fp32: the reference (mtp_core/kernels/native_ref.py)
 and the tests read the same structure.
@@ -86,10 +84,9 @@ class Matrix:
             w = self.data.float()
         elif self.fmt == FP8:
             rows, cols = (self.n, self.k) if self.layout == ROWS else (self.k, self.n)
-            r0 = self.scale_r0
-            src = torch.zeros(r0 + rows, cols, dtype=torch.float8_e4m3fn)
-            src[r0:] = self.data[:rows, :cols].view(torch.float8_e4m3fn)
-            w = dequantize_fp8_block(src, self.scale / 256.0)[r0:]
+            src = torch.zeros(self.scale_r0 + rows, cols, dtype=torch.float8_e4m3fn)
+            src[self.scale_r0:] = self.data[:rows, :cols].view(torch.float8_e4m3fn)
+            w = dequantize_fp8_block(src, self.scale / 256.0)[self.scale_r0:]
         else:
             codes = nvfp4_layout.deinterleave(self.data[:, : self.k // 2])
             w = dequantize_nvfp4(codes, self.gscale[:, : self.k // 16].view(torch.float8_e4m3fn),
@@ -115,12 +112,11 @@ def _fmt_of(t: torch.Tensor) -> int:
 
 
 def panel(w: torch.Tensor) -> Matrix:
-    w = w.detach()
-    return Matrix(PANEL, _fmt_of(w), w.shape[0], w.shape[1], pack_panels(w))
+    return Matrix(PANEL, _fmt_of(w), w.shape[0], w.shape[1], pack_panels(w.detach()))
 
 
-def _fp8_scale(scale_inv: torch.Tensor) -> torch.Tensor:
-    return (scale_inv.float() * 256.0).contiguous()   # the kernels decode e4m3 as value / 256 (exact)
+def _fp8_scale(scale_inv: torch.Tensor) -> torch.Tensor:   # the kernels decode e4m3 as value / 256 (exact)
+    return (scale_inv.float() * 256.0).contiguous()
 
 
 def rows_of(module: nn.Module) -> Matrix:
@@ -267,18 +263,10 @@ def _c(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous()
 
 
-def _plain(m: nn.Module) -> bool:
-    return type(m) is nn.Linear
-
-
 def linear_bytes(model: nn.Module) -> int:
     """Bytes of every linear weight in the model (as stored)."""
-    total = 0
-    for mod in model.modules():
-        for b in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
-            if b.dim() >= 2:
-                total += b.numel() * b.element_size()
-    return total
+    return sum(b.numel() * b.element_size() for mod in model.modules()
+               for b in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)] if b.dim() >= 2)
 
 
 def choose_layout(model: nn.Module, want: str = "") -> str:
@@ -290,7 +278,7 @@ def choose_layout(model: nn.Module, want: str = "") -> str:
         raise ValueError(f"MTP_CORE_NATIVE_LAYOUT={want!r}: use one of {', '.join(LAYOUTS)}")
     if want != "auto":
         return want
-    plain = all(_plain(m) for m in model.modules() if isinstance(m, (nn.Linear, Fp8BlockLinear, Nvfp4Linear)))
+    plain = all(type(m) is nn.Linear for m in model.modules() if isinstance(m, (nn.Linear, Fp8BlockLinear, Nvfp4Linear)))
     if not plain or linear_bytes(model) > PACKED_MAX_BYTES:
         return "direct"
     return "packed" if all(layer.self_attn.fuse_for_decode() for layer in model.model.layers) else "direct"

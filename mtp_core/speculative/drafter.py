@@ -23,6 +23,7 @@ import torch
 
 from mtp_core.engine.sequence import Sequence
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+from mtp_core.model.forward_path import ForwardPath
 
 
 @dataclass
@@ -45,23 +46,23 @@ class Drafter(Protocol):
 
 
 class _MTPRunner:
-    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int) -> None:
-        self.model, self.caches, self.tokens_per_block = model, caches, tokens_per_block
+    def __init__(self, path: ForwardPath, caches: list[torch.Tensor], tokens_per_block: int) -> None:
+        self.path, self.caches, self.tokens_per_block = path, caches, tokens_per_block
 
     def run(self, module: int, positions: list[list[int]], tokens: list[list[int]], hidden: torch.Tensor,
             tables: list[list[int]]) -> torch.Tensor:
         """hidden [T, H] aligned with the flattened tokens -> module output [T, H]."""
         meta = AttentionMetadata.build(positions, tables, self.tokens_per_block, device=hidden.device)
         ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=hidden.device)
-        return self.model.mtp_forward(module, ids, hidden, meta, self.caches)
+        return self.path.mtp_forward(module, ids, hidden, meta, self.caches)
 
     def draft(self, out_last: torch.Tensor) -> list[int]:
         """[R, H] -> greedy draft token per row (drafts are always greedy)."""
-        return self.model.compute_logits(out_last).argmax(-1).tolist()
+        return self.path.logits(out_last).argmax(-1).tolist()
 
     def draft_with_prob(self, out_last: torch.Tensor) -> tuple[list[int], list[float]]:
         """[R, H] -> (greedy draft per row, the MTP head's probability of it)."""
-        logits = self.model.compute_logits(out_last).float()
+        logits = self.path.logits(out_last).float()
         p, d = torch.softmax(logits, dim=-1).max(-1)
         return d.tolist(), p.tolist()
 
@@ -83,9 +84,9 @@ def _limit(r: DraftInput, K: int) -> int:
 
 
 class EagleDrafter:
-    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int,
-                 num_draft_tokens: int, confidence_threshold: float = 0.0) -> None:
-        self.runner = _MTPRunner(model, caches, tokens_per_block)
+    def __init__(self, model: DeepseekV3ForCausalLM, path: ForwardPath, caches: list[torch.Tensor],
+                 tokens_per_block: int, num_draft_tokens: int, confidence_threshold: float = 0.0) -> None:
+        self.runner = _MTPRunner(path, caches, tokens_per_block)
         self.num_draft_tokens = num_draft_tokens
         self.confidence_threshold = confidence_threshold
 
@@ -128,13 +129,13 @@ class EagleDrafter:
 
 
 class VanillaDrafter:
-    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int,
-                 num_draft_tokens: int, confidence_threshold: float = 0.0) -> None:
+    def __init__(self, model: DeepseekV3ForCausalLM, path: ForwardPath, caches: list[torch.Tensor],
+                 tokens_per_block: int, num_draft_tokens: int, confidence_threshold: float = 0.0) -> None:
         if num_draft_tokens > model.num_mtp_modules:
             raise ValueError(f"MTP Vanilla needs one module per draft token: max_draft_len={num_draft_tokens} but "
                              f"the checkpoint has {model.num_mtp_modules} MTP module(s); lower "
                              f"--spec_decode_max_draft_len or use --mtp_mode eagle")
-        self.runner = _MTPRunner(model, caches, tokens_per_block)
+        self.runner = _MTPRunner(path, caches, tokens_per_block)
         self.num_draft_tokens = num_draft_tokens
         self.confidence_threshold = confidence_threshold
 

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from mtp_core.model import DeepseekV3ForCausalLM
+from mtp_core.model.forward_path import ForwardPath
 from mtp_core.train.mtp_finetune.inputs import FinetuneOptions
 from mtp_core.train.mtp_finetune.output import layer_of
 
@@ -62,10 +63,11 @@ def atomic_json(obj, path: Path) -> None:
 
 
 @torch.inference_mode()
-def record_targets(model: DeepseekV3ForCausalLM, seqs: list[list[int]], topk: int, batch: int = 8
-                   ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def record_targets(model: DeepseekV3ForCausalLM, path: ForwardPath, seqs: list[list[int]], topk: int,
+                   batch: int = 8) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(hidden [T, H] f32 after the final norm, top-k logit values [T, k] f32, their ids [T, k] i32) per
-    sequence, from one dense causal forward (right-padded batches: padding never reaches real positions)."""
+    sequence, from one dense causal forward (right-padded batches: padding never reaches real positions) and
+    the serving engine's LM head (path)."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     res: list = [None] * len(seqs)
     for s in range(0, len(order), batch):
@@ -75,7 +77,7 @@ def record_targets(model: DeepseekV3ForCausalLM, seqs: list[list[int]], topk: in
         for r, i in enumerate(group):
             ids[r, :len(seqs[i])] = torch.tensor(seqs[i])
         h = model.forward_dense(ids)
-        logits = model.compute_logits(h)
+        logits = path.logits(h)
         val, idx = logits.topk(topk, dim=-1)
         for r, i in enumerate(group):
             n = len(seqs[i])
@@ -142,7 +144,7 @@ def build_cache(o: FinetuneOptions, gen: Generator, prompts: list[list[int]], me
                              "another --work_dir")
         outs = gen.continuations(chunk, first)
         seqs = [p + q for p, q in zip(chunk, outs)]
-        rec = record_targets(gen.llm.model, seqs, o.topk)
+        rec = record_targets(gen.llm.model, gen.llm.engine.forward_path, seqs, o.topk)
         lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
         _atomic_save({"ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
                       "hidden": torch.cat([r[0] for r in rec]).contiguous(),
