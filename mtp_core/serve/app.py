@@ -142,6 +142,6 @@ async def _respond(state: ServerState, request: Request, req: Any, specs: list[S
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return render.StreamResponse(render.stream(state, gen, req, chat, include_usage), gen.release)
     try:
-        return await render.body(state, gen, req, chat, request.receive)
+        return await render.fold(state, gen, req, chat, request.receive)
     finally:
         gen.release()

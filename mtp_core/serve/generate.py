@@ -5,9 +5,9 @@ the engine; `Generation.updates` is the single producer: it turns the text event
 into per-choice `Update`s and ends with one `Usage`. The streamed response renders each update as SSE
 chunks, the non-streamed one folds the same updates into its body (render.py); neither reads an event.
 
-    engine ─▶ output thread: TextEvent(index, delta, logprobs, ...) ─▶ queue ─▶ updates() ─▶ Update ... Usage
-                                                                                    ├─▶ stream(): SSE chunks
-                                                                                    └─▶ body(): one JSON body
+    engine ─▶ output thread ─▶ TextEvent(index, delta, logprobs, ...) ─▶ queue ─▶ updates(): Update ..., Usage
+                                                                               ├─▶ render.stream: SSE chunks
+                                                                               └─▶ render.fold: one JSON body
 
 An error event (the engine failed the request, the shutdown cut it) raises its APIError from `updates`:
 the streamed response sends it as an error event, the non-streamed one answers with it. Whatever way a
@@ -100,6 +100,8 @@ def start(state: ServerState, req: Any, specs: list[Spec], chat: bool, request_i
 
 
 class Generation:
+    """One request's choices in flight: the producer of their updates, and the aborts when the response ends."""
+
     def __init__(self, state: ServerState, specs: list[Spec], choices: list[_Choice], queue: asyncio.Queue,
                  rid: str) -> None:
         self.state, self.specs, self.id = state, specs, rid
@@ -123,10 +125,9 @@ class Generation:
     def _update(self, c: _Choice, ev: TextEvent) -> Update:
         u = Update(ev.index, ev.delta, ev.logprobs or [], ev.prompt_logprobs, None if c.started else c.spec.echo)
         c.started = True
-        done = ev.kind == "done"
         if c.spec.tool:
             self._tool(c, ev, u)
-        if done:
+        if ev.kind == "done":
             u.finish_reason = "length" if ev.finish_reason == "length" else "stop"
             if c.spec.tool and c.spec.tool[0] == "required" and u.tool_calls is not None:
                 u.finish_reason = "tool_calls"                  # OpenAI's reasons
@@ -156,7 +157,7 @@ class Generation:
 
     async def watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
         """Until the client leaves (an http.disconnect message), then every choice is aborted. The non-streamed
-        response runs it while it waits; a stream learns it from its own writes."""
+        response runs it while it waits; Starlette ends a stream whose client left, and its close runs `release`."""
         while (await receive())["type"] != "http.disconnect":
             pass
         for c in self._choices:

@@ -99,8 +99,8 @@ def _check_common(state: ServerState, req: Any) -> None:
     if not state.up:
         raise APIError(503, SHUTDOWN_MESSAGE if not state.accepting else "the engine stopped; retry later")
     if req.model != state.model_name:
-        raise APIError(404, f"the model {short_repr(req.model)} does not exist; this server serves {state.model_name!r} "
-                            "(see GET /v1/models)", param="model", code="model_not_found")
+        raise APIError(404, f"the model {short_repr(req.model)} does not exist; this server serves "
+                            f"{state.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
     bad = req.unsupported()
     if bad:
         raise APIError(400, bad[1], param=bad[0])
@@ -160,8 +160,8 @@ def _sampling(state: ServerState, req: Any, max_tokens: Optional[int], prompt_le
     elif max_tokens < 1:
         raise APIError(400, f"max_tokens must be >= 1, got {short_repr(max_tokens)}", param="max_tokens")
     elif max_tokens > room:
-        raise APIError(400, f"max_tokens is {short_repr(max_tokens)} but the prompt ({prompt_len} tokens) leaves room for "
-                            f"{room} in the model's context of {max_len}; lower max_tokens",
+        raise APIError(400, f"max_tokens is {short_repr(max_tokens)} but the prompt ({prompt_len} tokens) leaves "
+                            f"room for {room} in the model's context of {max_len}; lower max_tokens",
                        param="max_tokens", code="context_length_exceeded")
     d = state.defaults
     pick = lambda v, k: d[k] if v is None else v  # noqa: E731

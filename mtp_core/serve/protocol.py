@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API, strictly validated, and OpenAI error objects.
 
-Bodies are parsed with pydantic in strict mode (`"5"` is not an integer, `5.0` is not an integer; an integer
-is a valid float). Every field of OpenAI's API reference for the two endpoints is accepted; a field no API
+Bodies are parsed (parse.py) with pydantic in strict mode (`"5"` is not an integer, `5.0` is not an integer;
+an integer is a valid float). Every field of OpenAI's API reference for the two endpoints is accepted; a field no API
 defines is a 400 that names it. Fields that ask for something this server cannot do (audio, `suffix`,
 `tool_choice: auto`, ...) are accepted at their neutral value only; any other value is a 400 that
 says what to send instead. Fields with no meaning here (`user`, `store`, `metadata`, `service_tier`,

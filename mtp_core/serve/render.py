@@ -1,12 +1,12 @@
 """The two renderers of a Generation's updates (generate.py): `stream` writes each update as SSE chunks,
-`body` folds them into one JSON body. Both take their text, logprobs, tool calls and finish reasons from
+`fold` folds them into one JSON body. Both take their text, logprobs, tool calls and finish reasons from
 the updates alone, and their JSON parts from formats.py.
 
 What only one of them does, and why:
 - stream: a chat stream opens with one role chunk per choice; a choice's last update is followed by its own
   chunk with the finish reason; a forced tool call streams its tool_calls deltas in place of its text; the
   usage chunk only with stream_options.include_usage; an error becomes an `error` event, then [DONE].
-- body: best_of keeps each prompt's n likeliest candidates (best_of > 1 is never streamed); a forced call
+- fold: best_of keeps each prompt's n likeliest candidates (best_of > 1 is never streamed); a forced call
   that parsed replaces the message's content; a client gone before the end gets a bare 499.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from mtp_core.serve.state import ServerState
 
 
 def stream(state: ServerState, gen: Generation, req: Any, chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """The events of a streamed response, each `data: <chunk JSON>`, the last `data: [DONE]`."""
     created = int(time.time())
     obj = "chat.completion.chunk" if chat else "text_completion"
     head = json.dumps({"id": gen.id, "object": obj, "created": created, "model": state.model_name})[:-1]
@@ -45,7 +46,6 @@ def stream(state: ServerState, gen: Generation, req: Any, chat: bool, include_us
             text = (echo or "") + delta.get("content", "")
             lp = "null"
             if req.logprobs is not None and (entries or echo is not None):
-                prompt = prompt if echo is not None else None
                 part, offsets[i] = completion_logprobs(entries, req.logprobs, offsets[i], prompt,
                                                        _first_text(state, spec) if prompt else "")
                 lp = json.dumps(part, ensure_ascii=False)
@@ -60,7 +60,9 @@ def stream(state: ServerState, gen: Generation, req: Any, chat: bool, include_us
             elif u.logprobs:
                 out.append(chunk(u.choice, {}, u.logprobs))
         elif u.text or u.logprobs or u.echo is not None:
-            out.append(chunk(u.choice, u.text, u.logprobs, echo=u.echo, prompt=u.prompt_logprobs))
+            # an echo's prompt logprobs go with its first chunk, the prompt's text
+            prompt = u.prompt_logprobs if u.echo is not None else None
+            out.append(chunk(u.choice, u.text, u.logprobs, echo=u.echo, prompt=prompt))
         if u.finish_reason is not None:
             out.append(chunk(u.choice, {}, [], u.finish_reason))
         return out
@@ -104,8 +106,10 @@ class _Folded:
             self.finish_reason, self.tool_calls = u.finish_reason, u.tool_calls
 
 
-async def body(state: ServerState, gen: Generation, req: Any, chat: bool,
+async def fold(state: ServerState, gen: Generation, req: Any, chat: bool,
                receive: Callable[[], Awaitable[dict]]) -> Response:
+    """The non-streamed response, once every choice is done; meanwhile `receive` is watched for the client
+    leaving (then every choice is aborted and the answer is a 499 nobody reads)."""
     folded = [_Folded() for _ in gen.specs]
     watcher = asyncio.create_task(gen.watch(receive))
     try:

@@ -75,6 +75,7 @@ def generation_defaults(model_dir: str) -> dict[str, Any]:
     if gen.get("do_sample") is False:
         out["temperature"] = 0.0
     for k in ("temperature", "top_p", "top_k"):
-        if isinstance(gen.get(k), (int, float)) and not isinstance(gen.get(k), bool) and gen.get("do_sample") is not False:
-            out[k] = gen[k]
+        v = gen.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and gen.get("do_sample") is not False:
+            out[k] = v
     return out
