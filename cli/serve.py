@@ -27,7 +27,7 @@ from cli.quickstart import quickstart_command
 
 log = logging.getLogger("mtp.cli")
 
-DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024   # = mtp_core.serve.app.DEFAULT_MAX_REQUEST_BYTES (not imported:
+DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024   # = mtp_core.serve.state.DEFAULT_MAX_REQUEST_BYTES (not imported:
 SERVE_PREFILL_CHUNK = 256                      # `mtp --help` must stay light); see docs/serving.md for 256
 # quickstart flags that belong to a request, not to the server
 PER_REQUEST = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "apply_chat_template")

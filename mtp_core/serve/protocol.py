@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API, strictly validated, and OpenAI error objects.
 
-Bodies are parsed with pydantic in strict mode (`"5"` is not an integer, `5.0` is not an integer; an integer
-is a valid float). Every field of OpenAI's API reference for the two endpoints is accepted; a field no API
+Bodies are parsed (parse.py) with pydantic in strict mode (`"5"` is not an integer, `5.0` is not an integer;
+an integer is a valid float). Every field of OpenAI's API reference for the two endpoints is accepted; a field no API
 defines is a 400 that names it. Fields that ask for something this server cannot do (audio, `suffix`,
 `tool_choice: auto`, ...) are accepted at their neutral value only; any other value is a 400 that
 says what to send instead. Fields with no meaning here (`user`, `store`, `metadata`, `service_tier`,
@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class APIError(Exception):
@@ -308,76 +308,3 @@ def structured(so: Optional[dict[str, Any]]) -> Optional[tuple[str, str]]:
         raise APIError(400, "structured_outputs.choice must be a non-empty list of non-empty strings",
                        param="structured_outputs.choice")
     return "choice", json.dumps(v)
-
-
-_TYPE_WORDS = {"int_type": "an integer", "float_type": "a number", "bool_type": "true or false",
-               "string_type": "a string", "list_type": "a list", "dict_type": "an object",
-               "model_type": "an object", "literal_error": "one of the allowed values",
-               "finite_number": "a finite number"}
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "none"}
-
-
-def _is_tag(p: Any) -> bool:
-    return isinstance(p, str) and (p in _UNION_TAGS or "[" in p or "-" in p)
-
-
-def _where(loc: tuple) -> str:
-    out = ""
-    for p in loc:
-        if _is_tag(p):
-            continue
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out
-
-
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def parse_body(raw: bytes, model: type[_Strict]) -> Any:
-    """Raw JSON bytes -> the request model; every problem is one APIError(400) naming the field."""
-    if not raw.strip():
-        raise APIError(400, "the request body is empty; send a JSON object")
-    try:
-        data = json.loads(raw, parse_constant=_not_json)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON ({getattr(e, 'msg', e)} at position "
-                            f"{getattr(e, 'pos', '?')}); send a JSON object") from None
-    except RecursionError:
-        raise APIError(400, "the request body is nested too deeply; send a flat JSON object") from None
-    except ValueError as e:             # NaN / Infinity, an integer of more than 4300 digits
-        raise APIError(400, f"the request body is not valid JSON ({str(e).splitlines()[0][:120]}); send a JSON "
-                            "object") from None
-    if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise APIError(400, _first_error(e), param=_where(e.errors()[0]["loc"]) or None) from None
-
-
-def _first_error(e: ValidationError) -> str:
-    # prefer the most specific error of a field (a union reports one error per member)
-    errs = e.errors()
-    err = errs[0]
-    where = _where(err["loc"])
-    kind = err["type"]
-    if kind == "extra_forbidden":
-        return f"unrecognized request argument: {where}; remove it"
-    if kind == "missing":
-        return f"missing required argument: {where}"
-    if kind == "too_short":
-        return f"{where} must not be empty"
-    got = err.get("input")
-    got_s = json.dumps(got, default=str)[:60]
-    if any(_is_tag(p) for p in err["loc"]):          # a union field: say what the field accepts
-        last = [p for p in err["loc"] if not _is_tag(p)][-1]
-        expected = {"prompt": "a string or a list of token ids", "stop": "a string or a list of strings",
-                    "content": "a string or a list of {type: text, text} parts",
-                    "tool_choice": "a string or an object", "logit_bias": "a map of token id to number"}
-        return f"{where} must be {expected.get(str(last), 'of another type')}, got {got_s}"
-    if kind in _TYPE_WORDS:
-        return f"{where} must be {_TYPE_WORDS[kind]}, got {got_s}"
-    return f"{where}: {err['msg']}"

@@ -1,0 +1,174 @@
+"""The one generation path of POST /v1/completions and /v1/chat/completions, streamed or not.
+
+`start` registers every choice of a request with the output thread (one shared event queue) and sends it to
+the engine; `Generation.updates` is the single producer: it turns the text events of the output thread
+into per-choice `Update`s and ends with one `Usage`. The streamed response renders each update as SSE
+chunks, the non-streamed one folds the same updates into its body (render.py); neither reads an event.
+
+    engine ─▶ output thread ─▶ TextEvent(index, delta, logprobs, ...) ─▶ queue ─▶ updates(): Update ..., Usage
+                                                                               ├─▶ render.stream: SSE chunks
+                                                                               └─▶ render.fold: one JSON body
+
+An error event (the engine failed the request, the shutdown cut it) raises its APIError from `updates`:
+the streamed response sends it as an error event, the non-streamed one answers with it. Whatever way a
+response ends, `release` aborts the choices still running in the engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+
+from mtp_core.serve.engine_core import SHUTDOWN_MESSAGE
+from mtp_core.serve.formats import call_id, spec_stats, sum_stats, tool_calls, usage
+from mtp_core.serve.messages import Add
+from mtp_core.serve.outputs import RequestState, TextEvent
+from mtp_core.serve.params import Spec
+from mtp_core.serve.protocol import APIError
+from mtp_core.serve.state import ServerState
+from mtp_core.speculative.stats import SpecStats
+
+DISCONNECTED = "client disconnected"
+
+
+@dataclass
+class Update:
+    """What one engine event brings to one choice."""
+    choice: int                             # the choice's position in Generation.specs
+    text: dict[str, str]                    # new text per channel: content (and reasoning_content with a parser)
+    logprobs: list                          # the entries of the tokens behind `text` (formats.py)
+    prompt_logprobs: Optional[list] = None  # echo with logprobs: the prompt's entries (with the first tokens)
+    echo: Optional[str] = None              # the choice's first update (echo): the prompt text, put before `text`
+    # a forced tool call, as OpenAI streams it: a named call's arguments piece by piece (the first delta with the
+    # id, type and name); `required` calls whole on the last update, or the text of a call cut short
+    tool_delta: Optional[dict] = None
+    finish_reason: Optional[str] = None     # the choice's last update: stop | length | tool_calls
+    tool_calls: Optional[list[dict]] = None  # the last update of a forced call: its calls (None: cut, or not JSON)
+
+
+@dataclass
+class Usage:
+    """The last item of `updates`: the request's token counts and speculative-decoding counters (every choice,
+    best_of candidates included)."""
+    prompt_tokens: int
+    completion_tokens: int
+    stats: Optional[SpecStats]
+
+    def fields(self) -> dict:
+        return {"usage": usage(self.prompt_tokens, self.completion_tokens), "spec_decode_stats": spec_stats(self.stats)}
+
+
+@dataclass
+class _Choice:
+    """The producer's own state for one choice."""
+    spec: Spec
+    rs: RequestState
+    started: bool = False                   # an update was produced
+    content: str = ""                       # a forced tool call: the output so far (the calls are parsed at its end)
+    call_id: str = ""                       # a named tool call: its id, from its first piece on
+
+
+def start(state: ServerState, req: Any, specs: list[Spec], chat: bool, request_id: str,
+          arrival: float) -> Generation:
+    """Every choice is a request in the engine's batch (the prefix cache shares their prompt)."""
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])     # matched on the text
+    think = state.tokenizer.think_token_ids() if chat and state.reasoning_parser else None
+    starts_in = False
+    if think:
+        ids = specs[0].ids
+        last = max((i for i, t in enumerate(ids) if t in think), default=-1)
+        starts_in = last >= 0 and ids[last] == think[0]
+    if not state.up:
+        raise APIError(503, SHUTDOWN_MESSAGE)
+    queue: asyncio.Queue[TextEvent] = asyncio.Queue()
+    choices: list[_Choice] = []
+    for n, sp in enumerate(specs):
+        text = state.output_text(state.tokenizer, stops, think, starts_in, req.include_stop_str_in_output)
+        # events name their choice by its position in specs (best_of candidates until the best are chosen)
+        rs = state.outputs.register(text, len(sp.ids), request_id, arrival, n, queue, sp.discard)
+        choices.append(_Choice(sp, rs))
+    firsts: dict[int, int] = {}              # prompt -> the rid of its first choice
+    for c in choices:
+        first = firsts.setdefault(c.spec.prompt_index, c.rs.rid)
+        # the prompt's other choices wait for the first one's prefill and map its blocks from the prefix cache
+        # (not with prompt logprobs: they compute every prompt position anyway)
+        after = first if first != c.rs.rid and c.spec.params.prompt_logprobs is None else 0
+        state.engine.send(Add(c.rs.rid, c.spec.ids, c.spec.params, after))
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    return Generation(state, specs, choices, queue, rid)
+
+
+class Generation:
+    """One request's choices in flight: the producer of their updates, and the aborts when the response ends."""
+
+    def __init__(self, state: ServerState, specs: list[Spec], choices: list[_Choice], queue: asyncio.Queue,
+                 rid: str) -> None:
+        self.state, self.specs, self.id = state, specs, rid
+        self._choices, self._queue = choices, queue
+        self.prompt_tokens = sum(len(ids) for ids in {sp.prompt_index: sp.ids for sp in specs}.values())
+
+    async def updates(self) -> AsyncIterator[Union[Update, Usage]]:
+        """Each event's update, in arrival order, until every choice is done; then the Usage."""
+        left, completion_tokens, stats = len(self._choices), 0, []
+        while left:
+            ev = await self._queue.get()
+            if ev.kind == "error":
+                raise APIError(ev.status, ev.message)
+            yield self._update(self._choices[ev.index], ev)
+            if ev.kind == "done":
+                left -= 1
+                completion_tokens += ev.num_tokens
+                stats.append(ev.stats)
+        yield Usage(self.prompt_tokens, completion_tokens, sum_stats(stats))
+
+    def _update(self, c: _Choice, ev: TextEvent) -> Update:
+        u = Update(ev.index, ev.delta, ev.logprobs or [], ev.prompt_logprobs, None if c.started else c.spec.echo)
+        c.started = True
+        if c.spec.tool:
+            self._tool(c, ev, u)
+        if ev.kind == "done":
+            u.finish_reason = "length" if ev.finish_reason == "length" else "stop"
+            if c.spec.tool and c.spec.tool[0] == "required" and u.tool_calls is not None:
+                u.finish_reason = "tool_calls"                  # OpenAI's reasons
+        return u
+
+    def _tool(self, c: _Choice, ev: TextEvent, u: Update) -> None:
+        """A forced tool call's delta and, at its end, its calls (not when max_tokens cut it)."""
+        mode, name = c.spec.tool
+        piece = ev.delta.get("content", "")
+        c.content += piece
+        if mode == "named" and piece:
+            if not c.call_id:
+                c.call_id = call_id()
+                u.tool_delta = {"tool_calls": [{"index": 0, "id": c.call_id, "type": "function",
+                                                "function": {"name": name, "arguments": piece}}]}
+            else:
+                u.tool_delta = {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+        if ev.kind != "done":
+            return
+        if ev.finish_reason != "length":
+            u.tool_calls = tool_calls(c.spec.tool, c.content, c.call_id)
+        if mode == "required":
+            if u.tool_calls is not None:
+                u.tool_delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(u.tool_calls)]}
+            elif c.content:                    # cut short by max_tokens: the text as it is
+                u.tool_delta = {"content": c.content}
+
+    async def watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
+        """Until the client leaves (an http.disconnect message), then every choice is aborted. The non-streamed
+        response runs it while it waits; Starlette ends a stream whose client left, and its close runs `release`."""
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        for c in self._choices:
+            self.state.outputs.abort(c.rs, DISCONNECTED)
+
+    @property
+    def disconnected(self) -> bool:
+        return any(c.rs.abort_reason == DISCONNECTED for c in self._choices)
+
+    def release(self) -> None:
+        """The response is over (sent, failed or its client left): make sure the engine drops every choice."""
+        for c in self._choices:
+            if not c.rs.closed:
+                self.state.outputs.abort(c.rs, DISCONNECTED)
