@@ -13,7 +13,7 @@ from mtp_core.config import ModelConfig
 from mtp_core.loader import load_model
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.tiny import init_weights, tiny_config_dict
-from mtp_core.train.mtp_objective import depth_mask, mtp_depth_forward, shift_hidden
+from mtp_core.train_mtp.objective import depth_mask, mtp_depth_forward, shift_hidden
 from mtp_core.train.recipes import RECIPES
 from mtp_core.data import FAMILIES
 from mtp_core.train.trainer import batch_for_step, train
@@ -101,7 +101,7 @@ def test_family_mix_segments_change_the_batches_from_their_start_step() -> None:
 def test_depth_attention_equals_the_masked_full_attention(depth: int) -> None:
     """The training objective's attention (causal block + one diagonal key per chain form) computes what
     attending over all forms' keys with depth_mask does."""
-    from mtp_core.train.mtp_objective import depth_attention
+    from mtp_core.train_mtp.objective import depth_attention
 
     model = DeepseekV3ForCausalLM(ModelConfig.from_dict(tiny_config_dict(200, num_mtp=1)))
     init_weights(model, 5)

@@ -23,9 +23,9 @@ from safetensors.torch import load_file, save_file
 from mtp_core.config import ModelConfig
 from mtp_core.data.phrasing import SPELL_CLOSE, SPELL_OPEN
 from mtp_core.model import DeepseekV3ForCausalLM
-from mtp_core.model.moe import MoE
 from mtp_core.tiny import init_weights
-from mtp_core.train.mtp_objective import mtp_losses
+from mtp_core.train_mtp.objective import mtp_losses
+from mtp_core.train_mtp.state import balance_experts, load_state, save_state
 from mtp_core.train.recipes import Recipe
 
 log = logging.getLogger("mtp.train")
@@ -133,16 +133,6 @@ def lr_at(recipe: Recipe, step: int) -> float:
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def balance_experts(model: DeepseekV3ForCausalLM, speed: float) -> None:
-    """DeepSeek-V3's auxiliary-loss-free balancing: nudge each expert's selection bias toward equal load."""
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, MoE) and getattr(m, "load_counts", None) is not None:
-                load = m.load_counts.float()
-                m.gate.e_score_correction_bias += speed * torch.sign(load.mean() - load)
-                m.load_counts = None
-
-
 def run_model_config(run_dir: Path) -> tuple[Recipe, dict]:
     """(recipe, config.json dict) of a `mtp train --out` directory, from its recipe.json and tokenizer, as the
     trainer built them (for reading a run's saved state while it trains)."""
@@ -172,35 +162,6 @@ def _init_from_checkpoint(model: DeepseekV3ForCausalLM, source: str, echo: Calla
         raise ValueError(f"init_from={source!r} does not fit this recipe's shape (first mismatch: {bad[0]})")
     model.load_state_dict({k: weights[k].to(own[k].dtype) for k in own})
     echo(f"initialised from {src}")
-
-
-def _save_state(state_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, history: list) -> None:
-    tmp = state_dir.with_name(state_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-    names = {id(p): n for n, p in model.named_parameters()}
-    moments = {}
-    for p, st in opt.state.items():
-        n = names[id(p)]
-        moments[f"{n}.exp_avg"] = st["exp_avg"].contiguous()
-        moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
-        moments[f"{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
-    save_file(moments, str(tmp / "optimizer.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({"step": step, "history": history}))
-    shutil.rmtree(state_dir, ignore_errors=True)
-    tmp.rename(state_dir)
-
-
-def _load_state(state_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list]:
-    model.load_state_dict(load_file(str(state_dir / "model.safetensors")))
-    moments = load_file(str(state_dir / "optimizer.safetensors"))
-    for n, p in model.named_parameters():
-        if f"{n}.exp_avg" in moments:
-            opt.state[p] = {"step": moments[f"{n}.step"][0].clone(), "exp_avg": moments[f"{n}.exp_avg"],
-                            "exp_avg_sq": moments[f"{n}.exp_avg_sq"]}
-    st = json.loads((state_dir / "state.json").read_text())
-    return int(st["step"]), list(st["history"])
 
 
 def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device: str = "cpu",
@@ -235,7 +196,7 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
     state_dir = out_dir / "state"
-    step, history = (_load_state(state_dir, model, opt) if (state_dir / "state.json").is_file() else (0, []))
+    step, history = (load_state(state_dir, model, opt) if (state_dir / "state.json").is_file() else (0, []))
     if not step and recipe.init_from:   # a resumed run has its own weights in the state
         _init_from_checkpoint(model, recipe.init_from, echo)
     if step:
@@ -276,7 +237,7 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
                  f"mtp acc {[round(a, 3) for a in v_acc]} eagle acc {[round(a, 3) for a in e_acc]} "
                  f"{rec['tokens_per_s']:.0f} tok/s")
         if step % recipe.save_every == 0 or step == last:
-            _save_state(state_dir, model, opt, step, history)
+            save_state(state_dir, model, opt, step, history)
     if step >= recipe.steps:
         export(model, cfg_dict, tok_dir, out_dir / "model", recipe)
         echo(f"exported {out_dir / 'model'}")
