@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtp_core.data import example_for, sample_example
-from mtp_core.data.phrasing import SPELL_CLOSE, SPELL_OPEN, compare_steps, strip_spelled
-from mtp_core.data.scoring import extract_answer
-from mtp_core.data.phrasing import WORDS
-from mtp_core.data.tasks import FAMILY_SPECS, TRACE_STYLES, render, sample_operands, split_of
-from mtp_core.train.recipes import RECIPES
-from mtp_core.train.trainer import batch_for_step, encode_training_text, rows_at, trace_style_at
+from mtp_core.bench.scoring import extract_answer
+from mtp_factory.data import example_for, sample_example
+from mtp_factory.data.phrasing import SPELL_CLOSE, SPELL_OPEN, compare_steps, strip_spelled
+from mtp_factory.data.phrasing import WORDS
+from mtp_factory.data.tasks import FAMILY_SPECS, TRACE_STYLES, render, sample_operands, split_of
+from mtp_factory.recipes import RECIPES
+from mtp_factory.trainer import batch_for_step, encode_training_text, rows_at, trace_style_at
 
 V3_FAMILIES = ("sub", "count", "compare", "max", "reverse")
 ASSET_TOKENIZER = Path(__file__).resolve().parent.parent / "mtp_core" / "assets" / "tiny-r1" / "tokenizer.json"
@@ -258,7 +258,7 @@ def test_count_v6_writes_the_target_once_and_checks_each_letter_without_it(tok) 
 
 
 def test_spell_drill_spells_each_made_up_word_and_cuts_it_from_training_words_only() -> None:
-    from mtp_core.data.words import _drill_pieces, render_spell_drill
+    from mtp_factory.data.words import _drill_pieces, render_spell_drill
     held_out = [w for w in WORDS if split_of("reverse", (w,)) == "eval"]
     assert held_out and not set(held_out) & set(_drill_pieces())
     rng = random.Random(18)
@@ -272,7 +272,7 @@ def test_spell_drill_spells_each_made_up_word_and_cuts_it_from_training_words_on
 
 
 def test_spell_drill_share_and_its_absence(tok) -> None:
-    from mtp_core.data.dataset import training_texts
+    from mtp_factory.data.dataset import training_texts
     plain = list(training_texts(3, 400, general_fraction=0.0, style=6))
     drilled = list(training_texts(3, 400, general_fraction=0.0, style=6, spell_drill_fraction=0.2))
     blocks = [t for t in drilled if t.startswith(("Spelling practice:", "Spell each one:", "Letters of some"))]

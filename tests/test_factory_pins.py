@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtp_core.data import general_text
-from mtp_core.data.dataset import training_texts
-from mtp_core.train.recipes import RECIPES
-from mtp_core.train.trainer import batch_for_step
+from mtp_factory.data import general_text
+from mtp_factory.data.dataset import training_texts
+from mtp_factory.recipes import RECIPES
+from mtp_factory.trainer import batch_for_step
 
 SHIPPED_TOKENIZER = Path(__file__).resolve().parent.parent / "mtp_core" / "assets" / "tiny-r1" / "tokenizer.json"
 # the general text mixed into every stream is the standard library of the Python that made the digests

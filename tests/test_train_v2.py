@@ -7,8 +7,8 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from mtp_core.train.recipes import RECIPES
-from mtp_core.train.trainer import lr_at, train
+from mtp_factory.recipes import RECIPES
+from mtp_factory.trainer import lr_at, train
 
 
 def test_constant_then_linear_lr_segments() -> None:
@@ -47,7 +47,7 @@ def test_v2_recipe_keeps_the_deepseek_v3_shape() -> None:
 
 
 def test_loss_curve_smoothing_is_a_trailing_mean() -> None:
-    from mtp_core.train.model_card import running_mean, smoothed_history
+    from mtp_factory.model_card import running_mean, smoothed_history
 
     assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert running_mean([2.0, 4.0], 1) == [2.0, 4.0]

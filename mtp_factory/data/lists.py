@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from mtp_core.data.phrasing import Phraser, Trace, compare_steps, digits_of, maybe, number_list, pick, place
+from mtp_factory.data.phrasing import Phraser, Trace, compare_steps, digits_of, maybe, number_list, pick, place
 
 
 def _values(rng: random.Random, count: int) -> tuple[int, ...]:

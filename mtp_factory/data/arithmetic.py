@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from mtp_core.data.phrasing import Phraser, Trace, cap, compare_steps, digits_of, maybe, pick, place
+from mtp_factory.data.phrasing import Phraser, Trace, cap, compare_steps, digits_of, maybe, pick, place
 
 
 def random_number(rng: random.Random, num_digits: int) -> int:

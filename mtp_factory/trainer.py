@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import math
 import re
 import shutil
@@ -20,21 +19,22 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import mtp_core
 from mtp_core.config import ModelConfig
-from mtp_core.data.phrasing import SPELL_CLOSE, SPELL_OPEN
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.tiny import init_weights
+from mtp_core.tokenizer_build import train_bpe_tokenizer, write_tokenizer_files
 from mtp_core.train_mtp.objective import mtp_losses
 from mtp_core.train_mtp.state import balance_experts, load_state, save_state
-from mtp_core.train.recipes import Recipe
+from mtp_factory.data.dataset import training_texts
+from mtp_factory.data.phrasing import SPELL_CLOSE, SPELL_OPEN
+from mtp_factory.recipes import Recipe
 
-log = logging.getLogger("mtp.train")
+# the shipped models (each a directory named as its recipe)
+ASSETS = Path(mtp_core.__file__).resolve().parent / "assets"
 
 
 def build_tokenizer(recipe: Recipe, out_dir: Path):
-    from mtp_core.data.dataset import training_texts
-    from mtp_core.tokenizer_build import train_bpe_tokenizer, write_tokenizer_files
-
     texts = list(training_texts(seed=recipe.seed + 7919, num_examples=recipe.tokenizer_examples,
                                 general_fraction=recipe.general_fraction))
     tok = train_bpe_tokenizer(texts, recipe.vocab_size)
@@ -53,8 +53,6 @@ def trace_style_at(recipe: Recipe, step: int) -> int:
 
 def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
     """[B, S] token ids of step `step`: examples packed back to back, a pure function of (seed, step)."""
-    from mtp_core.data.dataset import training_texts
-
     rows, seq_len, _ = rows_at(recipe, step)
     need = rows * seq_len
     ids: list[int] = []
@@ -151,8 +149,7 @@ def _bos_eos(tok) -> tuple[int, int]:
 def _init_from_checkpoint(model: DeepseekV3ForCausalLM, source: str, echo: Callable[[str], None]) -> None:
     """Start from trained weights (a shipped asset's name, or a checkpoint directory) instead of the random
     init: every tensor of the model must be there with the same shape (weights only from safetensors)."""
-    assets = Path(__file__).resolve().parent.parent / "assets"
-    src = assets / source if (assets / source / "model.safetensors").is_file() else Path(source)
+    src = ASSETS / source if (ASSETS / source / "model.safetensors").is_file() else Path(source)
     if not (src / "model.safetensors").is_file():
         raise ValueError(f"init_from={source!r}: no model.safetensors there; name a shipped asset or a checkpoint dir")
     weights = load_file(str(src / "model.safetensors"))
@@ -175,7 +172,7 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
     tok_dir = out_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
         tok_dir.mkdir(parents=True, exist_ok=True)
-        shipped = Path(__file__).resolve().parent.parent / "assets" / (recipe.tokenizer_from or recipe.name)
+        shipped = ASSETS / (recipe.tokenizer_from or recipe.name)
         if (shipped / "tokenizer.json").is_file():
             # the `tokenizers` BPE trainer breaks count ties in hash order, so a retrained vocabulary can
             # differ run to run; reproducing a shipped model starts from its exact tokenizer

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from mtp_core.data.arithmetic import column_add_steps, random_number
-from mtp_core.data.phrasing import Phraser, Trace, cap, digits_of, maybe, pick, place
+from mtp_factory.data.arithmetic import column_add_steps, random_number
+from mtp_factory.data.phrasing import Phraser, Trace, cap, digits_of, maybe, pick, place
 
 
 def sample_mul(rng: random.Random) -> tuple[int, int]:

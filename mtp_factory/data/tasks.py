@@ -14,8 +14,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from mtp_core.data import arithmetic, lists, multiplication, words
-from mtp_core.data.phrasing import Trace
+from mtp_factory.data import arithmetic, lists, multiplication, words
+from mtp_factory.data.phrasing import Trace
 
 SPLITS = ("train", "eval")
 _MAX_TRIES = 100_000
@@ -58,7 +58,7 @@ FAMILY_SPECS: dict[str, Family] = {f.name: f for f in (
 )}
 
 
-def _check_family(family: str) -> Family:
+def check_family(family: str) -> Family:
     if family not in FAMILY_SPECS:
         raise ValueError(f"unknown task family {family!r}; use one of {', '.join(FAMILY_SPECS)}")
     return FAMILY_SPECS[family]
@@ -66,13 +66,13 @@ def _check_family(family: str) -> Family:
 
 def split_of(family: str, ops: tuple) -> str:
     """'eval' for the held-out share of the operand space of `family`, else 'train'."""
-    spec = _check_family(family)
+    spec = check_family(family)
     digest = hashlib.sha256(f"{family}:{spec.canonical(ops)!r}".encode()).digest()
     return "eval" if int.from_bytes(digest[:8], "big") % 100 < spec.eval_percent else "train"
 
 
 def sample_operands(family: str, rng: random.Random, split: str = "train") -> tuple:
-    spec = _check_family(family)
+    spec = check_family(family)
     if split not in SPLITS:
         raise ValueError(f"unknown split {split!r}; use 'train' or 'eval'")
     for _ in range(_MAX_TRIES):
@@ -97,7 +97,7 @@ def render(family: str, ops: tuple, rng: random.Random, style: int = 2) -> Trace
     for sort only (every pass writes the whole list, numbers taken earlier marked `out`); style 9 from style 8
     for compare only (the line of the two lengths ends with its verdict). The question (drawn
     first) is the same in all."""
-    spec = _check_family(family)
+    spec = check_family(family)
     if style not in TRACE_STYLES:
         raise ValueError(f"unknown trace style {style!r}; use one of {', '.join(map(str, TRACE_STYLES))}")
     while style != 2:

@@ -5,7 +5,7 @@ import functools
 import random
 import string
 
-from mtp_core.data.phrasing import WORDS, Trace, join_and, maybe, pick, spelled, times
+from mtp_factory.data.phrasing import WORDS, Trace, join_and, maybe, pick, spelled, times
 
 
 # ------------------------------------------------------------------ counting a letter
@@ -147,7 +147,7 @@ def render_reverse_v3(ops: tuple[str], rng: random.Random) -> Trace:
 def _drill_pieces() -> tuple[str, ...]:
     """Words whose reversal is a training question: the drill's made-up words are cut from these only, so no
     piece of a held-out reverse word is drilled that no training word also has."""
-    from mtp_core.data.tasks import split_of
+    from mtp_factory.data.tasks import split_of
     return tuple(w for w in WORDS if split_of("reverse", (w,)) == "train")
 
 
