@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 import mtp_core
 from mtp_core.config import ModelConfig
@@ -34,7 +35,8 @@ from mtp_factory.recipes import Recipe
 ASSETS = Path(mtp_core.__file__).resolve().parent / "assets"
 
 
-def build_tokenizer(recipe: Recipe, out_dir: Path):
+def build_tokenizer(recipe: Recipe, out_dir: Path) -> Tokenizer:
+    """Trains the recipe's BPE tokenizer on its own training texts and writes it into `out_dir`."""
     texts = list(training_texts(seed=recipe.seed + 7919, num_examples=recipe.tokenizer_examples,
                                 general_fraction=recipe.general_fraction))
     tok = train_bpe_tokenizer(texts, recipe.vocab_size)
@@ -51,7 +53,7 @@ def trace_style_at(recipe: Recipe, step: int) -> int:
     return style
 
 
-def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
+def batch_for_step(tok: Tokenizer, recipe: Recipe, step: int) -> torch.Tensor:
     """[B, S] token ids of step `step`: examples packed back to back, a pure function of (seed, step)."""
     rows, seq_len, _ = rows_at(recipe, step)
     need = rows * seq_len
@@ -67,7 +69,7 @@ def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
                             drill_fraction=recipe.drill_fraction, style=style, spell_drill_fraction=spell)
     while len(ids) < need:
         chunk = list(itertools.islice(stream, 16))
-        if style >= 3:
+        if style > 2:       # later styles may hold spelled spans
             for text in chunk:
                 ids.extend(encode_training_text(tok, text))
         else:
@@ -86,7 +88,7 @@ def rows_at(recipe: Recipe, step: int) -> tuple[int, int, float]:
     return shape
 
 
-def encode_training_text(tok, text: str) -> list[int]:
+def encode_training_text(tok: Tokenizer, text: str) -> list[int]:
     """Token ids of a training string whose spelled spans (data.phrasing.spelled) are tokenized a character
     per token (a leading space joins the first character, as BPE's pre-tokenizer would); the rest as usual."""
     parts = re.split(f"{SPELL_OPEN}(.*?){SPELL_CLOSE}", text, flags=re.DOTALL)
@@ -134,15 +136,13 @@ def lr_at(recipe: Recipe, step: int) -> float:
 def run_model_config(run_dir: Path) -> tuple[Recipe, dict]:
     """(recipe, config.json dict) of a `mtp train --out` directory, from its recipe.json and tokenizer, as the
     trainer built them (for reading a run's saved state while it trains)."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     rec = json.loads((run_dir / "recipe.json").read_text())
     recipe = Recipe(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in rec.items()})
-    tok = HFTokenizer.from_file(str(run_dir / "tokenizer" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(run_dir / "tokenizer" / "tokenizer.json"))
     return recipe, recipe.model_config(tok.get_vocab_size(), *_bos_eos(tok))
 
 
-def _bos_eos(tok) -> tuple[int, int]:
+def _bos_eos(tok: Tokenizer) -> tuple[int, int]:
     return tok.token_to_id("<｜begin▁of▁sentence｜>"), tok.token_to_id("<｜end▁of▁sentence｜>")
 
 
@@ -164,8 +164,6 @@ def _init_from_checkpoint(model: DeepseekV3ForCausalLM, source: str, echo: Calla
 def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device: str = "cpu",
           echo: Callable[[str], None] = print) -> Path:
     """Trains (or resumes) into out_dir/state; exports the checkpoint to out_dir/model when done."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     torch.set_num_threads(recipe.num_threads)
     torch.set_flush_denormal(True)   # denormal gradients are very slow on CPUs
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -181,7 +179,7 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
             echo(f"using the shipped tokenizer of {recipe.tokenizer_from or recipe.name}")
         else:
             build_tokenizer(recipe, tok_dir)
-    tok = HFTokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     bos, eos = _bos_eos(tok)
     cfg_dict = recipe.model_config(tok.get_vocab_size(), bos, eos)
     (out_dir / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2))
