@@ -9,11 +9,11 @@ import random
 from dataclasses import dataclass
 from typing import Iterator
 
+from mtp_core.bench.scoring import ANSWER_PREFIX, format_answer
 from mtp_core.chat_format import render_completion, render_prompt
 from mtp_factory.data import general_text
 from mtp_factory.data.arithmetic import render_fact_drill
 from mtp_factory.data.phrasing import Trace, maybe, ngram_predictability, spelled
-from mtp_core.bench.scoring import ANSWER_PREFIX, format_answer
 from mtp_factory.data.tasks import FAMILY_SPECS, check_family, generate, render
 from mtp_factory.data.words import render_spell_drill
 
