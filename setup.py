@@ -22,7 +22,7 @@ setup(
     name="mtp-core",
     version="0.1.0",
     description="DeepSeek-V3/R1 inference with MTP speculative decoding (TensorRT-LLM quickstart mirror)",
-    packages=find_packages(include=["cli", "cli.*", "mtp_core", "mtp_core.*"]),
+    packages=find_packages(include=["cli", "cli.*", "mtp_core", "mtp_core.*", "mtp_factory", "mtp_factory.*"]),
     package_data={"mtp_core": ["assets/*/*", "assets/*/*/*"]},
     include_package_data=True,
     python_requires=">=3.10",

@@ -1,9 +1,10 @@
 """`mtp prepare-dataset`: write a benchmark dataset (JSON lines: task_id, prompt | input_ids, output_tokens).
 
-Default: the shipped model's held-out task prompts (chat-rendered, BOS included), all families round-robin.
-`--task_set general` takes standard-library text instead; `--synthetic --input_tokens N` writes random
-token ids (the vocabulary comes from --model_dir). `--shared_prefix N` puts the same N tokens in front of
-every request (written as input_ids; text, or random ids with --synthetic), for prefix-caching benchmarks.
+Default: the shipped model's held-out task prompts (chat-rendered, BOS included; the 50 per family of its
+eval directory), all families round-robin. `--task_set general` takes standard-library text instead;
+`--synthetic --input_tokens N` writes random token ids (the vocabulary comes from --model_dir).
+`--shared_prefix N` puts the same N tokens in front of every request (written as input_ids; text, or random
+ids with --synthetic), for prefix-caching benchmarks.
 With a tokenizer at hand the input lengths are counted and summarised on stderr.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ def prepare_dataset_command(
                                              "(and the vocabulary of --synthetic); default: the shipped model."),
     synthetic: bool = typer.Option(False, "--synthetic", help="Random token ids instead of text prompts."),
     input_tokens: Optional[int] = typer.Option(None, "--input_tokens", help="Input length of --synthetic requests."),
-    seed: int = typer.Option(1234, "--seed", help="Seed of the held-out set / text sample / random ids."),
+    seed: int = typer.Option(1234, "--seed", help="Seed of the general-text sample / random ids (the held-out "
+                             "task prompts ship drawn with 1234)."),
     shared_prefix: int = typer.Option(0, "--shared_prefix", help="The same N tokens before every request "
                                       "(prefix-caching benchmarks; 0 = none)."),
     log_level: str = typer.Option("warning", "--log_level", help="debug | info | warning | error."),

@@ -104,6 +104,13 @@ def sweep_command(
             raise ValueError("--num_requests must be >= 1, --concurrency non-zero and --warmup >= 0")
         if accuracy and relaxed_nextn < 1:
             raise ValueError("--accuracy compares strict and relaxed acceptance at --relaxed_nextn; set it >= 1")
+        if accuracy:
+            from mtp_core.bench.eval_sets import read_manifest
+
+            per_set = read_manifest().per_set
+            if not 1 <= accuracy_per_family <= per_set:
+                raise ValueError(f"--accuracy_per_family must be between 1 and {per_set} (the held-out questions "
+                                 "per set that ship with the model)")
         requests = (load_dataset(dataset) if dataset is not None
                     else task_requests(task_set, num_requests, output_tokens))
         in_file = len(requests)
@@ -206,16 +213,14 @@ def _until_eos(ids: list[int], eos: list[int]) -> list[int]:
 
 
 def _accuracy(sw, model, base, eos, think, tok, settings, per_family: int, max_tokens: int, concurrency: int) -> dict:
+    from mtp_core.bench.eval_sets import accuracy_records
     from mtp_core.bench.progress import request_progress
-    from mtp_core.data import FAMILIES
-    from mtp_core.data.dataset import TARGET_SETS, eval_records
 
     relaxed = next((s for s in settings if s.relaxed), None)
     if relaxed is None:
         raise ValueError("--accuracy needs the relaxed setting; set --relaxed_nextn and --max_nextn >= 1")
     strict = sw.Setting(relaxed.mode, relaxed.K)
-    records = [r for f in FAMILIES for r in eval_records(f, per_family)]
-    records += [r for name, family, digits in TARGET_SETS for r in eval_records(family, per_family, 1234, digits, name)]
+    records = accuracy_records(per_family)
     with request_progress(2 * len(records), "accuracy") as advance:
         return sw.run_accuracy(model, base, eos, think, tok, records, strict, relaxed, max_tokens, concurrency,
                                on_finish=advance)

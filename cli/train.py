@@ -16,8 +16,8 @@ def train_command(
 ) -> None:
     from dataclasses import replace
 
-    from mtp_core.train.recipes import RECIPES
-    from mtp_core.train.trainer import train
+    from mtp_factory.recipes import RECIPES
+    from mtp_factory.trainer import train
 
     if recipe not in RECIPES:
         typer.echo(f"error: unknown recipe {recipe!r}; choose one of {', '.join(RECIPES)}", err=True)

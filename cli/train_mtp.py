@@ -1,5 +1,5 @@
 """`mtp train-mtp`: fine-tune (or add with --add_mtp N) a checkpoint's MTP modules by self-distillation from
-its frozen main model; main tensors are written byte for byte (see mtp_core/train/mtp_finetune/)."""
+its frozen main model; main tensors are written byte for byte (see mtp_core/train_mtp/)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -46,7 +46,7 @@ def train_mtp_command(
     setup_logging(log_level)
 
     def body() -> None:
-        from mtp_core.train.mtp_finetune import FinetuneOptions, run
+        from mtp_core.train_mtp import FinetuneOptions, run
 
         run(FinetuneOptions(model_dir=model_dir, out=out, prompts=prompts, eval_prompts=eval_prompts, heldout=heldout,
                             max_eval_prompts=max_eval_prompts, max_steps=max_steps, lr=lr, mtp_mode=mtp_mode.lower(),

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from mtp_core.config import LLMConfig, SpeculativeConfig
-from mtp_core.data.dataset import load_eval_set
+from mtp_core.bench.eval_sets import load_eval_set
 from mtp_core.llm import LLM
 from mtp_core.sampling import SamplingParams
 

@@ -16,9 +16,9 @@ import time
 
 import torch
 
+from mtp_core.bench.eval_sets import accuracy_records
+from mtp_core.bench.scoring import score
 from mtp_core.config import KvCacheConfig, LLMConfig, SpeculativeConfig
-from mtp_core.data import FAMILIES, score
-from mtp_core.data.dataset import TARGET_SETS, eval_records
 from mtp_core.llm import LLM
 from mtp_core.sampling import SamplingParams
 
@@ -38,8 +38,7 @@ ap.add_argument("--relaxed_topk", type=int, default=10)
 ap.add_argument("--relaxed_delta", type=float, default=0.6)
 args = ap.parse_args()
 torch.set_num_threads(args.threads)
-records = [r for f in FAMILIES for r in eval_records(f, args.per_task)]
-records += [r for name, family, digits in TARGET_SETS for r in eval_records(family, args.per_task, 1234, digits, name)]
+records = accuracy_records(args.per_task)
 # a KV pool for the 16 sequences in flight only (the default takes 90% of free memory)
 llm = LLM(LLMConfig(model_dir=args.model_dir, dtype=args.dtype, max_batch_size=16,
                     kv_cache_config=KvCacheConfig(max_tokens=16 * 1024, dtype=args.kv_cache_dtype),

@@ -12,9 +12,8 @@ import time
 
 import torch
 
+from mtp_core.bench.eval_sets import accuracy_records
 from mtp_core.config import LLMConfig, SpeculativeConfig
-from mtp_core.data import FAMILIES
-from mtp_core.data.dataset import TARGET_SETS, eval_records
 from mtp_core.llm import LLM
 from mtp_core.sampling import SamplingParams
 
@@ -27,8 +26,7 @@ ap.add_argument("--bf16", action="store_true")
 ap.add_argument("--bf16_only", action="store_true")
 args = ap.parse_args()
 torch.set_num_threads(args.threads)
-records = [r for f in FAMILIES for r in eval_records(f, args.per_task)]
-records += [r for name, family, digits in TARGET_SETS for r in eval_records(family, args.per_task, 1234, digits, name)]
+records = accuracy_records(args.per_task)
 
 
 def run(dtype: str, nextn: int, mode: str, native: bool) -> list[list[int]]:

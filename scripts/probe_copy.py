@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from mtp_core.config import ModelConfig
-from mtp_core.data import FAMILIES
-from mtp_core.data.dataset import sample_example
+from mtp_factory.data import FAMILIES
+from mtp_factory.data.dataset import sample_example
 from mtp_core.model import DeepseekV3ForCausalLM
-from mtp_core.train.trainer import run_model_config
+from mtp_factory.trainer import run_model_config
 
 ap = argparse.ArgumentParser()
 ap.add_argument("run_dir")

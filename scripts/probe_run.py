@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from mtp_core.bench.eval_sets import accuracy_records
+from mtp_core.bench.scoring import score
 from mtp_core.config import LLMConfig
-from mtp_core.data import FAMILIES, score
-from mtp_core.data.dataset import TARGET_SETS, eval_records
 from mtp_core.llm import LLM
 from mtp_core.sampling import SamplingParams
 
@@ -37,7 +37,7 @@ weights = load_file(str(run / "state" / "model.safetensors"))
 tmp = Path(tempfile.mkdtemp(prefix="probe-"))
 try:
     # a loadable checkpoint directory from the state (the config as the trainer writes it)
-    from mtp_core.train.trainer import run_model_config
+    from mtp_factory.trainer import run_model_config
     _, cfg = run_model_config(run)
     cfg["torch_dtype"] = "float32"
     from safetensors.torch import save_file
@@ -61,8 +61,7 @@ try:
     res["fact_add_carry"] = facts([f"{pre}{a} + {b} + 1 = " for a, b in pairs], [a + b + 1 for a, b in pairs])
     prods = [(a, b) for a in range(2, 10) for b in range(2, 10)]
     res["fact_mul"] = facts([f"{pre}{a} × {b} = " for a, b in prods], [a * b for a, b in prods])
-    records = [r for f in FAMILIES for r in eval_records(f, args.per_family)]
-    records += [r for name, family, digits in TARGET_SETS for r in eval_records(family, args.per_family, 1234, digits, name)]
+    records = accuracy_records(args.per_family)
     outs = llm.generate([llm.tokenizer.encode(r["prompt"], add_special_tokens=False) for r in records],
                         SamplingParams(max_tokens=args.max_tokens))
     res["accuracy"] = {k: round(v, 3) for k, v in score(records, [o.text for o in outs]).items()}

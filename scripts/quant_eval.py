@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from mtp_core import LLM, LLMConfig, SamplingParams, SpeculativeConfig
-from mtp_core.data import FAMILIES, score
-from mtp_core.data.dataset import eval_records
+from mtp_core.bench.eval_sets import eval_records, read_manifest
+from mtp_core.bench.scoring import score
 from mtp_core.quantize import quantize_checkpoint
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     for fmt in ("fp8", "nvfp4"):
         dirs[fmt] = out / fmt
         quantize_checkpoint(args.model_dir, dirs[fmt], fmt)
-    records = [r for f in FAMILIES for r in eval_records(f, args.per_family)]
+    records = [r for f in read_manifest().families for r in eval_records(f, args.per_family)]
     prompts = [r["prompt"] for r in records]
     params = SamplingParams(max_tokens=args.max_tokens)
     results, ref = {}, None

@@ -19,9 +19,9 @@ from mtp_core.bench.roofline import distinct_experts, measure_bandwidth, step_by
 from mtp_core.bench.runner import run_requests
 from mtp_core.bench.sweep import sweep_settings
 from mtp_core.chat_format import BOS
-from mtp_core.data import FAMILIES
 from mtp_core.speculative.stats import SpecStats
 from mtp_core.tokenizer import Tokenizer
+from mtp_factory.data import FAMILIES
 
 torch.set_num_threads(1)
 runner = CliRunner()

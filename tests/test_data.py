@@ -1,4 +1,4 @@
-"""Tests for the training/evaluation data (mtp_core.data): answers recomputed from the question text by
+"""Tests for the training/evaluation data (mtp_factory.data): answers recomputed from the question text by
 hand-written parsers, arithmetic in every trace re-evaluated, train/eval disjointness, determinism,
 answer extraction on decoded text, variability of traces, and the predictability estimate."""
 from __future__ import annotations
@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from mtp_core.chat_format import BOS, EOS, THINK_END, THINK_START, USER
-from mtp_core.data import (
-    FAMILIES, describe_data, estimate_predictability, example_for, extract_answer, load_eval_set,
-    sample_example, score, training_texts, write_eval_sets,
+from mtp_core.bench.eval_sets import load_eval_set
+from mtp_core.bench.scoring import extract_answer, score
+from mtp_factory.data import (
+    FAMILIES, describe_data, estimate_predictability, example_for, sample_example, training_texts, write_eval_sets,
 )
 
 torch.set_num_threads(1)

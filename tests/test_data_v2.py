@@ -9,8 +9,8 @@ import re
 import pytest
 
 from mtp_core.chat_format import BOS, USER
-from mtp_core.data import example_for, sample_example, training_texts
-from mtp_core.data.arithmetic import render_fact_drill
+from mtp_factory.data import example_for, sample_example, training_texts
+from mtp_factory.data.arithmetic import render_fact_drill
 
 _MARK = re.compile(r"^(\d+)(?: \((\d+)\)| -> (\d+)| \[(\d+)\])?$")
 

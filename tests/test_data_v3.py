@@ -1,6 +1,8 @@
-"""tiny-r1 v3 traces (style 3): every decision of the count, compare, max and sub traces compares tokens written
-next to each other, and the reversed word is spelled a character per token in training. Each property is
-recomputed here from the operands, so a wrong step in any trace fails a test."""
+"""The later trace styles (4, 5, 7, 8, 9; data.tasks.TRACE_STYLES): from style 4 every decision of the count,
+compare, max and sub traces compares tokens written next to each other, and the reversed word is spelled a
+character per token in training; later styles rewrite compare and sort. Each property is recomputed here
+from the operands, so a wrong step in any trace fails a test; the shipped recipe switches styles, drills and
+rows at its steps."""
 from __future__ import annotations
 
 import random
@@ -11,15 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtp_core.data import example_for, sample_example
-from mtp_core.data.phrasing import SPELL_CLOSE, SPELL_OPEN, compare_steps, strip_spelled
-from mtp_core.data.scoring import extract_answer
-from mtp_core.data.phrasing import WORDS
-from mtp_core.data.tasks import FAMILY_SPECS, TRACE_STYLES, render, sample_operands, split_of
-from mtp_core.train.recipes import RECIPES
-from mtp_core.train.trainer import batch_for_step, encode_training_text, rows_at, trace_style_at
+from mtp_core.bench.scoring import extract_answer
+from mtp_factory.data import example_for, sample_example
+from mtp_factory.data.phrasing import SPELL_CLOSE, SPELL_OPEN, compare_steps, strip_spelled
+from mtp_factory.data.phrasing import WORDS
+from mtp_factory.data.tasks import FAMILY_SPECS, TRACE_STYLES, render, sample_operands, split_of
+from mtp_factory.recipes import RECIPES
+from mtp_factory.trainer import batch_for_step, encode_training_text, rows_at, trace_style_at
 
-V3_FAMILIES = ("sub", "count", "compare", "max", "reverse")
+V3_FAMILIES = ("sub", "count", "compare", "max", "reverse")     # style 4 rewrites these and mul
 ASSET_TOKENIZER = Path(__file__).resolve().parent.parent / "mtp_core" / "assets" / "tiny-r1" / "tokenizer.json"
 
 
@@ -31,26 +33,30 @@ def tok():
 
 @pytest.mark.parametrize("family", list(FAMILY_SPECS))
 def test_v3_keeps_the_question_and_answer_of_v2(family: str) -> None:
-    """Held-out sets are written from style 2; a style-3 model is asked exactly the same questions."""
+    """Held-out sets are written from style 2; a style-4 model is asked exactly the same questions."""
     rng = random.Random(family)
     for k in range(200):
         ops = sample_operands(family, rng, "eval" if k % 2 else "train")
         v2 = render(family, ops, random.Random(k), style=2)
-        v3 = render(family, ops, random.Random(k), style=3)
+        v3 = render(family, ops, random.Random(k), style=4)
         assert (v3.question, v3.answer) == (v2.question, v2.answer)
-        assert (v3.reasoning != v2.reasoning) == (family in V3_FAMILIES)
+        if family != "mul":         # mul's style-2 trace is already the column method about half the time
+            assert (v3.reasoning != v2.reasoning) == (family in V3_FAMILIES)
 
 
 def test_unknown_style_is_refused() -> None:
     with pytest.raises(ValueError, match="trace style"):
         render("add", (1, 2), random.Random(0), style=max(TRACE_STYLES) + 1)
+    for removed in (3, 6):      # styles of recipes that live in git history
+        with pytest.raises(ValueError, match="trace style"):
+            render("add", (1, 2), random.Random(0), style=removed)
 
 
 @pytest.mark.parametrize("family", V3_FAMILIES)
 def test_v3_final_answer_is_the_reference(family: str) -> None:
     rng = random.Random(1)
     for _ in range(300):
-        ex = sample_example(family, rng, style=3)
+        ex = sample_example(family, rng, style=4)
         assert extract_answer(strip_spelled(ex.completion)) == ex.answer
 
 
@@ -60,7 +66,7 @@ _CHECK = re.compile(r"^([a-z]) vs ([a-z])(?:: | -> )(no|yes \((\d+)\)|yes, (\d+)
 def test_count_v3_compares_each_letter_with_the_target_in_place() -> None:
     rng = random.Random(2)
     for _ in range(300):
-        ex = sample_example("count", rng, style=3)
+        ex = sample_example("count", rng, style=4)
         letter = re.search(r"'([a-z])'", ex.question).group(1)
         word = re.search(r'"([a-z]+)"', ex.question).group(1)
         line = next(l for l in ex.reasoning.splitlines() if " vs " in l)
@@ -89,7 +95,7 @@ def test_compare_steps_stop_at_the_first_difference() -> None:
 def test_max_v3_compares_each_number_with_the_running_max() -> None:
     rng = random.Random(3)
     for _ in range(300):
-        ex = sample_example("max", rng, style=3)
+        ex = sample_example("max", rng, style=4)
         values = [int(v) for v in re.findall(r"\d+", ex.question)]
         steps = [l for l in ex.reasoning.splitlines() if " vs " in l]
         assert len(steps) == len(values) - 1
@@ -106,10 +112,10 @@ def test_max_v3_compares_each_number_with_the_running_max() -> None:
 def test_compare_v3_names_each_digit_by_its_count_mark() -> None:
     rng = random.Random(4)
     for _ in range(300):
-        ex = sample_example("compare", rng, style=3)
+        ex = sample_example("compare", rng, style=4)
         a, b = (int(v) for v in re.findall(r"\d+", ex.question)[:2])
-        lines = ex.reasoning.splitlines()
-        assert f"{len(str(a))}" in lines[1] and f"{len(str(b))}" in lines[1]
+        lines = ex.reasoning.splitlines()       # the goal, the counted digits, then both lengths
+        assert f"{len(str(a))}" in lines[2] and f"{len(str(b))}" in lines[2]
         marks = [re.match(r"(?:Digit|Position|Mark) (\d+): (\d) ([=<>]) (\d)", l) for l in lines]
         marks = [m for m in marks if m]
         if len(str(a)) != len(str(b)):
@@ -125,7 +131,7 @@ def test_compare_v3_names_each_digit_by_its_count_mark() -> None:
 def test_sub_v3_states_the_sign_before_anything_that_depends_on_it() -> None:
     rng = random.Random(5)
     for _ in range(300):
-        ex = sample_example("sub", rng, style=3)
+        ex = sample_example("sub", rng, style=4)
         a, b = (int(v) for v in re.findall(r"\d+", ex.question)[:2])
         if ex.question.startswith("Subtract"):
             b, a = a, b
@@ -138,7 +144,7 @@ def test_sub_v3_states_the_sign_before_anything_that_depends_on_it() -> None:
 def test_reverse_v3_spells_the_joined_word_a_letter_per_token(tok) -> None:
     rng = random.Random(6)
     for _ in range(100):
-        ex = sample_example("reverse", rng, style=3)
+        ex = sample_example("reverse", rng, style=4)
         text = ex.prompt + ex.completion
         assert text.count(SPELL_OPEN) == 2 and text.count(SPELL_CLOSE) == 2
         ids = encode_training_text(tok, text)
@@ -152,7 +158,7 @@ def test_reverse_v3_spells_the_joined_word_a_letter_per_token(tok) -> None:
 def test_encode_training_text_without_spans_is_the_plain_encoding(tok) -> None:
     rng = random.Random(7)
     for family in FAMILY_SPECS:
-        ex = sample_example(family, rng, style=3)
+        ex = sample_example(family, rng, style=4)
         text = ex.prompt + ex.completion
         if SPELL_OPEN not in text:
             assert encode_training_text(tok, text) == tok.encode(text, add_special_tokens=False).ids
@@ -171,12 +177,12 @@ def test_v3_traces_start_at_the_recipes_step_and_leave_earlier_batches_alone(tok
 
 def test_example_for_passes_the_style() -> None:
     v2 = example_for("count", ("banana", "a"), random.Random(0), style=2)
-    v3 = example_for("count", ("banana", "a"), random.Random(0), style=3)
+    v3 = example_for("count", ("banana", "a"), random.Random(0), style=4)
     assert " vs " in v3.reasoning and " vs " not in v2.reasoning
     assert v3.answer == v2.answer == "3"
 
 
-@pytest.mark.parametrize("style,base,changed", [(4, 3, ("mul", "compare")), (5, 4, ("compare",)), (6, 5, ("count",)),
+@pytest.mark.parametrize("style,base,changed", [(4, 2, (*V3_FAMILIES, "mul")), (5, 4, ("compare",)),
                                                 (7, 5, ("sort",)), (8, 7, ("sort",)),
                                                 (9, 8, ("compare",))])
 def test_each_later_style_changes_only_its_families(style: int, base: int, changed: tuple[str, ...]) -> None:
@@ -229,36 +235,8 @@ def test_compare_v5_compares_beside_the_numbers_and_names_both() -> None:
     assert orders == {"the larger", "the smaller"}     # both orders of the naming line occur
 
 
-def test_v5_recipe_switches_to_style_5_where_v4x_ends(tok) -> None:
-    v4x, v5 = RECIPES["tiny-r1-v4x"], RECIPES["tiny-r1-v5"]
-    end = v4x.steps
-    assert [trace_style_at(v5, s) for s in (v4x.v3_traces_from - 1, end - 1, end)] == [2, 4, 5]
-    assert torch.equal(batch_for_step(tok, v5, end - 1), batch_for_step(tok, v4x, end - 1))
-    assert not torch.equal(batch_for_step(tok, v5, end), batch_for_step(tok, v4x, end))
-
-
-def test_count_v6_writes_the_target_once_and_checks_each_letter_without_it(tok) -> None:
-    rng = random.Random(17)
-    for _ in range(300):
-        ex = sample_example("count", rng, style=6)
-        word, letter = re.search(r"\"(\w+)\"", ex.question).group(1), re.search(r"'(\w)'", ex.question).group(1)
-        lines = ex.reasoning.splitlines()
-        assert lines[1] in (f"Target: {letter}.", f"The letter to find: {letter}.")
-        assert lines[2] == "-".join(word) + "."
-        checks = lines[3].split(": ", 1)[1].removesuffix(".").split(", ")
-        running, want = 0, []
-        for c in word:
-            running += c == letter
-            want.append(f"{c}: match ({running})" if c == letter else f"{c}: no")
-        assert checks == want
-        assert extract_answer(ex.completion) == ex.answer == str(word.count(letter))
-        # the verdict words are not letter tokens: ' match' and ' no' are single tokens of their own
-        for verdict in (" match", " no"):
-            assert len(tok.encode(verdict, add_special_tokens=False).ids) == 1
-
-
 def test_spell_drill_spells_each_made_up_word_and_cuts_it_from_training_words_only() -> None:
-    from mtp_core.data.words import _drill_pieces, render_spell_drill
+    from mtp_factory.data.words import _drill_pieces, render_spell_drill
     held_out = [w for w in WORDS if split_of("reverse", (w,)) == "eval"]
     assert held_out and not set(held_out) & set(_drill_pieces())
     rng = random.Random(18)
@@ -272,9 +250,9 @@ def test_spell_drill_spells_each_made_up_word_and_cuts_it_from_training_words_on
 
 
 def test_spell_drill_share_and_its_absence(tok) -> None:
-    from mtp_core.data.dataset import training_texts
-    plain = list(training_texts(3, 400, general_fraction=0.0, style=6))
-    drilled = list(training_texts(3, 400, general_fraction=0.0, style=6, spell_drill_fraction=0.2))
+    from mtp_factory.data.dataset import training_texts
+    plain = list(training_texts(3, 400, general_fraction=0.0, style=5))
+    drilled = list(training_texts(3, 400, general_fraction=0.0, style=5, spell_drill_fraction=0.2))
     blocks = [t for t in drilled if t.startswith(("Spelling practice:", "Spell each one:", "Letters of some"))]
     assert 50 <= len(blocks) <= 110
     assert [t for t in drilled if t not in blocks] == plain[:len(drilled) - len(blocks)]
@@ -282,23 +260,12 @@ def test_spell_drill_share_and_its_absence(tok) -> None:
         next(training_texts(3, 4, drill_fraction=0.5, spell_drill_fraction=0.5))
 
 
-def test_v6_recipe_branches_from_v4x(tok) -> None:
-    v4x, v6 = RECIPES["tiny-r1-v4x"], RECIPES["tiny-r1-v6"]
-    end = v4x.steps
-    assert [trace_style_at(v6, s) for s in (end - 1, end)] == [4, 6]
-    for step in (0, 5000, end - 3, end - 2, end - 1):   # the drill too starts only at the branch
-        assert torch.equal(batch_for_step(tok, v6, step), batch_for_step(tok, v4x, step))
-    text = tok.decode(batch_for_step(tok, v6, end).flatten().tolist(), skip_special_tokens=False)
-    assert ": match (" in text or ": no, " in text
-
-
-def test_v7_recipe_continues_v5_and_drills_spelling_only_after_it(tok) -> None:
-    v5, v7 = RECIPES["tiny-r1-v5"], RECIPES["tiny-r1-v7"]
-    end = v5.steps
-    assert trace_style_at(v7, end) == trace_style_at(v5, end - 1) == 5
-    for step in (0, 14000, end - 3, end - 2, end - 1):
-        assert torch.equal(batch_for_step(tok, v7, step), batch_for_step(tok, v5, step))
-    drilled = [tok.decode(batch_for_step(tok, v7, s).flatten().tolist()) for s in range(end, end + 4)]
+def test_tiny_r1_drills_spelling_only_from_its_step(tok) -> None:
+    r = RECIPES["tiny-r1"]
+    start, undrilled = r.spell_drill_from, replace(r, spell_drill_fraction=0.0)
+    for step in (0, 14000, start - 3, start - 2, start - 1):
+        assert torch.equal(batch_for_step(tok, r, step), batch_for_step(tok, undrilled, step))
+    drilled = [tok.decode(batch_for_step(tok, r, s).flatten().tolist()) for s in range(start, start + 4)]
     assert any("Spelling practice:" in t or "Spell each one:" in t or "Letters of some" in t for t in drilled)
 
 
@@ -363,20 +330,26 @@ def test_sort_v9_writes_every_number_each_pass_and_marks_the_taken_ones_out() ->
         assert extract_answer(ex.completion) == ex.answer
 
 
-@pytest.mark.parametrize("parent,child,styles,shapes", [
-    ("tiny-r1-v7", "tiny-r1-v8", (5, 7), ((4, 512, 0.5), (4, 512, 0.5))),
-    ("tiny-r1-v8", "tiny-r1-v9", (7, 8), ((4, 512, 0.5), (3, 768, 1 / 3))),
-    ("tiny-r1-v9", "tiny-r1", (8, 9), ((3, 768, 1 / 3), (3, 768, 1 / 3))),
-    ("tiny-r1", "tiny-r1-v11", (9, 9), ((3, 768, 1 / 3), (3, 768, 1 / 3)))])
-def test_continuation_recipes_switch_where_their_parent_ends(tok, parent, child, styles, shapes) -> None:
-    before, after = RECIPES[parent], RECIPES[child]
-    end = before.steps
-    assert tuple(trace_style_at(after, s) for s in (end - 1, end)) == styles
-    assert tuple(rows_at(after, s) for s in (end - 1, end)) == shapes
-    for step in (end - 2, end - 1):
-        assert torch.equal(batch_for_step(tok, after, step), batch_for_step(tok, before, step))
-    assert batch_for_step(tok, after, end).shape == shapes[1][:2]
-    assert any(not torch.equal(batch_for_step(tok, after, s), batch_for_step(tok, before, s)) for s in range(end, end + 3))
+@pytest.mark.parametrize("start,styles,shapes", [
+    (13100, (2, 4), ((4, 512, 0.5), (4, 512, 0.5))),
+    (16600, (4, 5), ((4, 512, 0.5), (4, 512, 0.5))),
+    (20100, (5, 7), ((4, 512, 0.5), (4, 512, 0.5))),
+    (22100, (7, 8), ((4, 512, 0.5), (3, 768, 1 / 3))),
+    (24100, (8, 9), ((3, 768, 1 / 3), (3, 768, 1 / 3)))])
+def test_tiny_r1_switches_style_and_rows_at_its_steps(tok, start, styles, shapes) -> None:
+    """The shipped recipe changes trace style (and at 22,100 its rows) exactly at `start`: the batches before
+    are those of the recipe stopped before the switch, the batches from it on differ."""
+    r = RECIPES["tiny-r1"]
+    before = replace(r, trace_styles=tuple(t for t in r.trace_styles if t[0] < start),
+                     row_shapes=tuple(t for t in r.row_shapes if t[0] < start),
+                     v3_traces_from=r.v3_traces_from if r.v3_traces_from < start else -1)
+    assert tuple(trace_style_at(r, s) for s in (start - 1, start)) == styles
+    assert tuple(rows_at(r, s) for s in (start - 1, start)) == shapes
+    for step in (start - 2, start - 1):
+        assert torch.equal(batch_for_step(tok, r, step), batch_for_step(tok, before, step))
+    assert batch_for_step(tok, r, start).shape == shapes[1][:2]
+    assert any(not torch.equal(batch_for_step(tok, r, s), batch_for_step(tok, before, s)) for s in range(start, start + 3))
+
 
 def test_compare_v9_states_whether_the_lengths_match_before_comparing() -> None:
     rng = random.Random(29)

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from cli.common import DEFAULT_MODEL_DIR
-from mtp_core.data import FAMILIES
 from mtp_core.loader import load_model
+from mtp_factory.data import FAMILIES
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -110,7 +110,7 @@ def test_quickstart_default_prompts_are_answered_correctly_with_mtp() -> None:
     the right answer to each of its three default prompts."""
     import ast
 
-    from mtp_core.data import extract_answer
+    from mtp_core.bench.scoring import extract_answer
 
     expected = _expected_default_answers()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -128,7 +128,7 @@ def test_quickstart_default_prompts_are_answered_correctly_with_mtp() -> None:
 
 def test_shipped_recipe_is_the_tiny_r1_recipe() -> None:
     """`mtp train --recipe tiny-r1` trains what ships: the asset's recipe.json is that recipe, setting for setting."""
-    from mtp_core.train.recipes import RECIPES
+    from mtp_factory.recipes import RECIPES
 
     shipped = json.loads((DEFAULT_MODEL_DIR / "recipe.json").read_text())
     assert shipped == json.loads(json.dumps(RECIPES["tiny-r1"].to_dict()))

@@ -13,10 +13,10 @@ from mtp_core.config import ModelConfig
 from mtp_core.loader import load_model
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.tiny import init_weights, tiny_config_dict
-from mtp_core.train.mtp_objective import depth_mask, mtp_depth_forward, shift_hidden
-from mtp_core.train.recipes import RECIPES
-from mtp_core.data import FAMILIES
-from mtp_core.train.trainer import batch_for_step, train
+from mtp_core.train_mtp.objective import depth_mask, mtp_depth_forward, shift_hidden
+from mtp_factory.data import FAMILIES
+from mtp_factory.recipes import RECIPES
+from mtp_factory.trainer import batch_for_step, train
 
 torch.set_num_threads(1)
 
@@ -81,7 +81,7 @@ def test_smoke_training_is_deterministic_resumable_and_loads(tmp_path: Path) -> 
 
 def test_family_mix_segments_change_the_batches_from_their_start_step() -> None:
     """mix_segments: from its start step a segment's family shares decide the generated examples."""
-    from mtp_core.data.dataset import training_texts
+    from mtp_factory.data.dataset import training_texts
 
     only_add = list(training_texts(seed=3, num_examples=40, general_fraction=0.0,
                                    family_weights={f: 0.0 for f in FAMILIES if f != "add"}))
@@ -101,7 +101,7 @@ def test_family_mix_segments_change_the_batches_from_their_start_step() -> None:
 def test_depth_attention_equals_the_masked_full_attention(depth: int) -> None:
     """The training objective's attention (causal block + one diagonal key per chain form) computes what
     attending over all forms' keys with depth_mask does."""
-    from mtp_core.train.mtp_objective import depth_attention
+    from mtp_core.train_mtp.objective import depth_attention
 
     model = DeepseekV3ForCausalLM(ModelConfig.from_dict(tiny_config_dict(200, num_mtp=1)))
     init_weights(model, 5)
@@ -140,19 +140,21 @@ def test_init_from_starts_at_the_given_weights_and_rejects_a_misfit(tmp_path: Pa
 
 def test_copy_probe_script_reads_a_run_and_rejects_a_directory_without_state(tmp_path: Path) -> None:
     """scripts/probe_copy.py: question vs reasoning digit loss from a run's saved state, one JSON line appended."""
+    import os
     import subprocess
     import sys
 
     repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(repo)}      # this checkout's packages, not an installed copy
     train(replace(RECIPES["smoke"], steps=1, save_every=1), tmp_path / "run", echo=lambda s: None)
     cmd = [sys.executable, str(repo / "scripts" / "probe_copy.py"), "--per_family", "1"]
-    r = subprocess.run(cmd + [str(tmp_path / "run")], capture_output=True, text=True, cwd=repo, timeout=300)
+    r = subprocess.run(cmd + [str(tmp_path / "run")], capture_output=True, text=True, cwd=repo, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["step"] == 1 and res["question_digit_nll"] > 0 and res["reasoning_digit_nll"] > 0
     assert set(res["reasoning_digit_nll_per_family"]) == set(FAMILIES)
     assert (tmp_path / "run" / "copy_probe.jsonl").read_text().count("\n") == 1
-    bad = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True, cwd=repo, timeout=300)
+    bad = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True, cwd=repo, timeout=300, env=env)
     assert bad.returncode != 0 and "no saved training state" in bad.stderr
 
 

@@ -20,8 +20,8 @@ from mtp_core.loader import load_model
 from mtp_core.llm import LLM
 from mtp_core.sampling import SamplingParams
 from mtp_core.tiny import make_tiny_checkpoint
-from mtp_core.train import mtp_finetune as ft
-from mtp_core.train.mtp_finetune import FinetuneOptions, run
+from mtp_core import train_mtp as ft
+from mtp_core.train_mtp import FinetuneOptions, run
 
 from conftest import PROMPTS, llm_config
 

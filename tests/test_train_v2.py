@@ -7,8 +7,8 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from mtp_core.train.recipes import RECIPES
-from mtp_core.train.trainer import lr_at, train
+from mtp_factory.recipes import RECIPES
+from mtp_factory.trainer import lr_at, train
 
 
 def test_constant_then_linear_lr_segments() -> None:
@@ -43,11 +43,10 @@ def test_v2_recipe_keeps_the_deepseek_v3_shape() -> None:
     assert cfg["n_shared_experts"] == 1 and cfg["first_k_dense_replace"] == 1
     assert cfg["num_nextn_predict_layers"] == 3 and r.eagle_depth == 3
     assert r.lr_segments[-1][0] == r.steps
-    assert RECIPES["tiny-r1-v1"].num_layers == 8 and RECIPES["tiny-r1-v1"].tokenizer_from == "tiny-r1"
 
 
 def test_loss_curve_smoothing_is_a_trailing_mean() -> None:
-    from mtp_core.train.model_card import running_mean, smoothed_history
+    from mtp_factory.model_card import running_mean, smoothed_history
 
     assert running_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert running_mean([2.0, 4.0], 1) == [2.0, 4.0]

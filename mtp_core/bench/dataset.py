@@ -1,8 +1,8 @@
 """Benchmark datasets: JSON lines `{"task_id", "prompt" | "input_ids", "output_tokens"}` (trtllm-bench's format).
 
 Readers validate every line and say which line is wrong. Writers build datasets from the shipped model's
-held-out task prompts (already chat-rendered, BOS included), from standard-library text, or from random
-token ids of a fixed length (synthetic).
+held-out task prompts (already chat-rendered, BOS included) and its general-text prompts (standard-library
+text), both read from its eval directory (`eval_sets`), or from random token ids of a fixed length (synthetic).
 """
 from __future__ import annotations
 
@@ -13,11 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from mtp_core.data import FAMILIES
-from mtp_core.data.dataset import eval_records
-from mtp_core.data import general_text
-
-TASK_SETS = ("all", "general", *FAMILIES)
+from mtp_core.bench.eval_sets import eval_records, general_chunks, read_manifest
 
 
 @dataclass
@@ -99,19 +95,28 @@ def encode_request(tokenizer: Any, req: BenchRequest) -> list[int]:
 # ---- writers -------------------------------------------------------------------------------------
 
 def task_requests(task_set: str, num_requests: int, output_tokens: int, seed: int = 1234) -> list[BenchRequest]:
-    """Held-out task prompts of one family, or of every family round-robin (`all`), or general text."""
-    if task_set not in TASK_SETS:
-        raise ValueError(f"unknown --task_set {task_set!r}; use all, general or one of {', '.join(FAMILIES)}")
+    """Held-out task prompts of one family, or of every family round-robin (`all`), or general text (a sample
+    drawn with `seed`). The task prompts ship drawn with one seed: another `seed` is refused for them."""
+    sets = read_manifest()
+    if task_set not in ("all", "general", *sets.families):
+        raise ValueError(f"unknown --task_set {task_set!r}; use all, general or one of {', '.join(sets.families)}")
     if num_requests < 1 or output_tokens < 1:
         raise ValueError("--num_requests and --output_tokens must be >= 1")
     if task_set == "general":
-        chunks = general_text.load_chunks()
+        chunks = general_chunks()
         order = random.Random(f"bench-general-{seed}").sample(range(len(chunks)), min(num_requests, len(chunks)))
         return [BenchRequest(f"general-{i}", output_tokens, chunks[c], extra={"task": "general"})
                 for i, c in enumerate(order)]
-    families = list(FAMILIES) if task_set == "all" else [task_set]
+    if seed != sets.seed:
+        raise ValueError(f"--seed {seed}: the held-out task prompts ship with the model, drawn with seed {sets.seed}; "
+                         "--seed applies to --task_set general and --synthetic")
+    families = list(sets.families) if task_set == "all" else [task_set]
     per_family = math.ceil(num_requests / len(families))
-    records = {f: eval_records(f, per_family, seed) for f in families}
+    if per_family > sets.per_set:
+        raise ValueError(f"--num_requests {num_requests} needs {per_family} held-out prompts per family and "
+                         f"{sets.per_set} ship with the model; use --num_requests {sets.per_set * len(families)} "
+                         "or fewer")
+    records = {f: eval_records(f, per_family) for f in families}
     out: list[BenchRequest] = []
     for i in range(per_family):
         for f in families:
@@ -148,7 +153,7 @@ def shared_prefix_ids(num_tokens: int, tokenizer: Any, allowed: Optional[list[in
         rng = random.Random(f"bench-shared-prefix-{seed}")
         return [rng.choice(allowed) for _ in range(need)]
     body: list[int] = []
-    for chunk in general_text.load_chunks():
+    for chunk in general_chunks():
         body += tokenizer.encode(chunk + "\n\n", add_special_tokens=False)
         if len(body) >= need:
             return head + body[:need]

@@ -241,9 +241,9 @@ def format_table(rows: list[dict], peers: Optional[list[dict]] = None) -> str:
 def run_accuracy(model: Any, base: LLMConfig, eos: list[int], think_ids: Optional[tuple[int, int]],
                  tokenizer: Any, records: list[dict], strict: Setting, relaxed: Setting, max_tokens: int,
                  concurrency: int, on_finish: Optional[Callable[..., None]] = None) -> dict:
-    """Exact match per task set (mtp_core.data.score) with strict and with relaxed acceptance; EOS honoured."""
+    """Exact match per task set (bench.scoring.score) with strict and with relaxed acceptance; EOS honoured."""
     from mtp_core.bench.dataset import BenchRequest, encode_request
-    from mtp_core.data import score
+    from mtp_core.bench.scoring import score
 
     prompts = [encode_request(tokenizer, BenchRequest(i, max_tokens, r["prompt"])) for i, r in enumerate(records)]
     out: dict[str, Any] = {"max_tokens": max_tokens, "num_questions": len(records)}

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import random
 
-from mtp_core.data.arithmetic import column_add_steps, random_number
-from mtp_core.data.phrasing import Phraser, Trace, cap, digits_of, maybe, pick, place
+from mtp_factory.data.arithmetic import column_add_steps, random_number
+from mtp_factory.data.phrasing import Phraser, Trace, cap, digits_of, maybe, pick, place
 
 
 def sample_mul(rng: random.Random) -> tuple[int, int]:
@@ -69,6 +69,8 @@ def _by_digit(big: int, m: int, ph: Phraser, method: int) -> list[str]:
 
 
 def render_mul(ops: tuple[int, int], rng: random.Random, column_only: bool = False) -> Trace:
+    """With `column_only` (style 4) always the column method: every digit of every partial product and of
+    their sum on its own step."""
     a, b = ops
     p = a * b
     ph = Phraser(rng)
@@ -76,7 +78,7 @@ def render_mul(ops: tuple[int, int], rng: random.Random, column_only: bool = Fal
                           f"What is {a} times {b}?", f"Calculate the product of {a} and {b}.",
                           f"What is {a} * {b}?"))
     method = rng.randrange(2)
-    if column_only:     # v4: the place-value method sums partial products in one step ("560 + 72 = 572")
+    if column_only:     # the place-value method sums partial products in one step ("560 + 72 = 572")
         method = 0
     if a < 10 and b < 10:
         lines = [pick(rng, (f"{a} × {b} = {p}.", f"From the times table, {a} × {b} = {p}.",
@@ -125,8 +127,3 @@ def _two_by_two(a: int, b: int, ph: Phraser, method: int) -> list[str]:
         lines.append("The final carry 1 goes in front.")
     lines.append(f"Total: {a * b}.")
     return lines
-
-
-def render_mul_v4(ops: tuple[int, int], rng: random.Random) -> Trace:
-    """v4: always the column method (every digit of every partial product and of their sum on its own step)."""
-    return render_mul(ops, rng, column_only=True)

@@ -11,7 +11,7 @@ change speed, never greedy output. This module:
 2. **Training** (`train_modules`): only MTP parameters get gradients. Module k's target at position p is
    the main model's greedy token there (the argmax of its logits: exactly what strict verification checks);
    optionally a KL term to its top-k distribution. The attention context of every draft depth is arranged as
-   at inference (`mtp_objective.mtp_depth_forward`): Vanilla chains module d at depth d, Eagle reuses module
+   at inference (`objective.mtp_depth_forward`): Vanilla chains module d at depth d, Eagle reuses module
    1 at every depth on its own outputs. AdamW, warmup + cosine; the state (MTP weights, moments, step) is
    saved every `save_every` steps and a rerun resumes from it.
 3. **Output** (`write_output`): DST in Hugging Face layout, built in a temporary sibling and renamed at the
@@ -30,12 +30,13 @@ checkpoints, each MTP layer also carries copies of the embedding and the head
 (`model.layers.{L+k}.embed_tokens.weight`, `.shared_head.head.weight`).
 
 Layout: `inputs.py` (options, prompts, the checks made before anything is written), `cache.py` (part 1),
-`output.py` (part 3); the training loop (part 2), the report and `run` are here.
+`distill.py` (part 2's losses, schedule and model), `objective.py` (the draft depths' attention context),
+`state.py` (the resumable training state), `output.py` (part 3); the training loop, the report and `run`
+are here.
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -45,140 +46,22 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
-from mtp_core.config import ModelConfig
 from mtp_core.model import DeepseekV3ForCausalLM
-from mtp_core.train.mtp_objective import mtp_depth_forward, shift_hidden
-from mtp_core.train.mtp_finetune.cache import (Cache, Generator, atomic_json, build_cache, json_digest, make_batch,
-                                               source_fingerprint)
-from mtp_core.train.mtp_finetune.inputs import (FinetuneOptions, check_disk, check_inputs, encode_prompts, read_prompts,
-                                                split_prompts)
-from mtp_core.train.mtp_finetune.output import write_output
-
+from mtp_core.train_mtp.cache import (Cache, Generator, atomic_json, build_cache, json_digest, make_batch,
+                                      source_fingerprint)
+from mtp_core.train_mtp.distill import build_training_model, distill_losses, lr_at, trained_module_ids
+from mtp_core.train_mtp.inputs import (FinetuneOptions, check_disk, check_inputs, encode_prompts, read_prompts,
+                                       split_prompts)
+from mtp_core.train_mtp.output import write_output
+from mtp_core.train_mtp.state import balance_experts, load_state, save_state
 
 REPORT = "train_mtp_report.json"
-
-
-def distill_losses(model: DeepseekV3ForCausalLM, batch: dict[str, torch.Tensor], mode: str, eagle_depth: int,
-                   kl_weight: float) -> tuple[list[torch.Tensor], dict[str, list[tuple[float, float]]]]:
-    """Losses of every trained (chain, depth) and (correct, counted) per depth for the running accuracy.
-
-    Position p (0-based, in the window) of any depth reads token x_{p+1} and predicts the main model's greedy
-    token after x_{p+1}: argmax of its logits at p+1 (top_idx[:, p+1, 0])."""
-    ids, h, valid = batch["ids"], batch["hidden"], batch["valid"]
-    S = ids.shape[1]
-    S1 = S - 1
-    emb = model.model.embed_tokens(ids[:, 1:])
-    cos, sin = model.rope.cos_sin(torch.arange(S1))
-    base = h[:, :-1]
-    greedy = batch["top_idx"][..., 0]
-
-    def loss_at(g: torch.Tensor, d: int) -> tuple[torch.Tensor, tuple[float, float]]:
-        logits = model.lm_head(g[:, d - 1:S1 - 1]).float()          # positions p = d-1 .. S-3
-        target = greedy[:, d:S1]                                      # argmax at p+1
-        mask = valid[:, d:S1].float()
-        count = mask.sum().clamp(min=1.0)
-        ce = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
-        loss = (ce * mask).sum() / count
-        if kl_weight > 0:
-            p = torch.softmax(batch["top_val"][:, d:S1], dim=-1)
-            logq = torch.log_softmax(logits, dim=-1).gather(-1, batch["top_idx"][:, d:S1])
-            loss = loss + kl_weight * (-(p * logq).sum(-1) * mask).sum() / count
-        correct = ((logits.argmax(-1) == target).float() * mask).sum().item()
-        return loss, (correct, mask.sum().item())
-
-    losses: list[torch.Tensor] = []
-    acc: dict[str, list[tuple[float, float]]] = {"vanilla": [], "eagle": []}
-    g1 = None
-    if mode in ("vanilla", "both"):
-        hiddens = [base]
-        v_losses = []
-        for d in range(1, model.num_mtp_modules + 1):
-            g = mtp_depth_forward(model, model.mtp_module(d - 1), emb, hiddens, cos, sin)
-            g1 = g if d == 1 else g1
-            loss, a = loss_at(g, d)
-            v_losses.append(loss)
-            acc["vanilla"].append(a)
-            hiddens = hiddens + [shift_hidden(g)]
-        losses.append(torch.stack(v_losses).mean())
-    if mode in ("eagle", "both"):
-        hiddens = [base]
-        e_losses = []
-        for d in range(1, eagle_depth + 1):
-            g = g1 if (d == 1 and g1 is not None) else mtp_depth_forward(model, model.mtp_module(0), emb, hiddens,
-                                                                          cos, sin)
-            loss, a = loss_at(g, d)
-            if not (d == 1 and mode == "both"):   # depth 1 is the Vanilla chain's, already in its loss
-                e_losses.append(loss)
-            acc["eagle"].append(a)
-            hiddens = hiddens + [shift_hidden(g)]
-        if e_losses:
-            losses.append(torch.stack(e_losses).mean())
-    return losses, acc
-
-
-def lr_at(o: FinetuneOptions, step: int) -> float:
-    warm = max(1, min(20, o.max_steps // 10))
-    if step < warm:
-        return o.lr * (step + 1) / warm
-    t = min((step - warm) / max(o.max_steps - warm, 1), 1.0)
-    return o.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-def init_new_modules(model: DeepseekV3ForCausalLM, seed: int) -> None:
-    """New MTP modules (--add_mtp): attention, MLP/MoE and their norms copied from the last main layer (weights
-    that already read this model's residual stream), enorm/hnorm = 1, eh_proj = [I | I] (the block starts
-    from the sum of the normalised token embedding and the normalised main hidden), shared_head.norm = the
-    main final norm (so the shared lm_head sees hidden states on the scale it was trained on). Anything
-    whose shape differs from the last layer's gets a small random init."""
-    from mtp_core.tiny import init_weights
-
-    L = model.num_main_layers
-    last = model.model.layers[L - 1]
-    with torch.no_grad():
-        for k in range(model.num_mtp_modules):
-            m = model.mtp_module(k)
-            init_weights(m, seed + 101 * k)
-            src = last.state_dict()
-            own = m.state_dict()
-            for name, t in src.items():
-                if name in own and own[name].shape == t.shape:
-                    own[name].copy_(t)
-            m.enorm.weight.fill_(1.0)
-            m.hnorm.weight.fill_(1.0)
-            H = m.enorm.weight.shape[0]
-            m.eh_proj.weight.copy_(torch.cat([torch.eye(H), torch.eye(H)], dim=1))
-            m.shared_head.norm.weight.copy_(model.model.norm.weight)
-
-
-def build_training_model(o: FinetuneOptions) -> tuple[DeepseekV3ForCausalLM, object, dict]:
-    """float32 model with the source weights (dequantized when quantized); --add_mtp appends N new modules."""
-    from mtp_core.loader import load_model
-
-    src_model, ckpt = load_model(o.model_dir, dtype="float32", keep_quantized=False)
-    if not o.add_mtp:
-        return src_model, ckpt, dict(ckpt.config.raw)
-    raw = {**ckpt.config.raw, "num_nextn_predict_layers": o.add_mtp}
-    torch.manual_seed(o.seed)
-    model = DeepseekV3ForCausalLM(ModelConfig.from_dict(raw))
-    missing, unexpected = model.load_state_dict(src_model.state_dict(), strict=False)
-    L = ckpt.config.num_hidden_layers
-    assert not unexpected and all(int(n.split(".")[2]) >= L for n in missing if n.startswith("model.layers."))
-    init_new_modules(model, o.seed)
-    model.eval()
-    return model, ckpt, raw
-
-
-def trained_module_ids(o: FinetuneOptions, num_modules: int) -> list[int]:
-    return [0] if o.mtp_mode == "eagle" else list(range(num_modules))
 
 
 def train_modules(o: FinetuneOptions, model: DeepseekV3ForCausalLM, cache: Cache,
                   echo: Callable[[str], None]) -> list[dict]:
     """Trains the MTP modules in place (resuming from WORK/state); returns the history."""
-    from mtp_core.train.trainer import _load_state, _save_state, balance_experts
-
     torch.set_flush_denormal(True)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -191,7 +74,7 @@ def train_modules(o: FinetuneOptions, model: DeepseekV3ForCausalLM, cache: Cache
     opt = torch.optim.AdamW([p for p in mtp.parameters() if p.requires_grad], lr=o.lr, betas=(0.9, 0.95),
                             weight_decay=o.weight_decay)
     state_dir = o.work / "state"
-    step, history = (_load_state(state_dir, mtp, opt) if (state_dir / "state.json").is_file() else (0, []))
+    step, history = (load_state(state_dir, mtp, opt) if (state_dir / "state.json").is_file() else (0, []))
     if step:
         echo(f"resuming MTP training from step {step}")
     depths = {"vanilla": [[0.0, 0.0] for _ in range(len(mtp))], "eagle": [[0.0, 0.0] for _ in range(o.eagle_depth)]}
@@ -225,14 +108,11 @@ def train_modules(o: FinetuneOptions, model: DeepseekV3ForCausalLM, cache: Cache
             depths = {c: [[0.0, 0.0] for _ in v] for c, v in depths.items()}
             loss_sum, steps_here, t0 = 0.0, 0, time.perf_counter()
         if step % o.save_every == 0 or step == o.max_steps:
-            _save_state(state_dir, mtp, opt, step, history)
+            save_state(state_dir, mtp, opt, step, history)
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return history
-
-
-# ---- output ---------------------------------------------------------------------------------------------
 
 
 def eval_settings(o: FinetuneOptions, num_modules: int) -> list[tuple[str, int]]:
@@ -267,8 +147,6 @@ def acceptance(model_dir: Path, o: FinetuneOptions, prompts: list[list[int]], se
                                 "draft_acceptance_rate": dec["draft_acceptance_rate"]}
     return res
 
-
-# ---- the command ----------------------------------------------------------------------------------------
 
 def run(o: FinetuneOptions, echo: Callable[[str], None] = print) -> dict:
     from mtp_core.loader.checkpoint import open_checkpoint

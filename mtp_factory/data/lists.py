@@ -4,7 +4,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from mtp_core.data.phrasing import Phraser, Trace, compare_steps, digits_of, maybe, number_list, pick, place
+from mtp_factory.data.phrasing import Phraser, Trace, compare_steps, digits_of, maybe, number_list, pick, place
 
 
 def _values(rng: random.Random, count: int) -> tuple[int, ...]:
@@ -44,8 +44,9 @@ def _sort_result(target: list[int], asc: bool, rng: random.Random) -> str:
 
 
 def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random, compare_hint: bool = False) -> Trace:
-    """With `compare_hint` (v7) each number of a pass is compared with the running pick digit by digit before
-    the new pick is written (`83 (8 < 9; 83)`), as the v3 max steps do (v2-v6 models misjudged such pairs)."""
+    """With `compare_hint` (style 7) each number of a pass is compared with the running pick digit by digit
+    before the new pick is written (`83 (8 < 9; 83)`), as the style-4 max steps do (a verdict alone was
+    misjudged for such pairs)."""
     direction, values = ops
     asc = direction == "asc"
     question, lines, word, better = _sort_opening(values, asc, rng)
@@ -70,7 +71,7 @@ def render_sort(ops: tuple[str, tuple[int, ...]], rng: random.Random, compare_hi
         lines.append(ph.choose("sort.take", (f"{word.capitalize()}: {cur}.", f"Take {cur}.", f"The {word} is {cur}.")))
     lines.append(pick(rng, (f"Only {rest[0]} is left.", f"The last one is {rest[0]}.", f"Take {rest[0]}.")))
     lines.append(_sort_result(target, asc, rng))
-    if maybe(rng, 0.5) and not compare_hint:     # v7 leaves the check out: its passes are long enough
+    if maybe(rng, 0.5) and not compare_hint:     # with hints the check is left out: the passes are long enough
         relation = "no bigger" if asc else "no smaller"
         lines.append(f"Check: {len(values)} numbers in, {len(values)} numbers out, and each one is "
                      f"{relation} than the next.")
@@ -84,15 +85,11 @@ def _versus(v: int, cur: int) -> str:
     return compare_steps(v, cur).split(": ", 1)[1]
 
 
-def render_sort_v7(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
-    return render_sort(ops, rng, compare_hint=True)
-
-
-def render_sort_v9(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
-    """v9: every pass writes the whole list in the question's order; a number taken by an earlier pass is
-    written as `62 out`, the others carry v7's digit-by-digit hint against the running pick. So a pass is
+def render_sort_marking_taken(ops: tuple[str, tuple[int, ...]], rng: random.Random) -> Trace:
+    """Style 8: every pass writes the whole list in the question's order; a number taken by an earlier pass
+    is written as `62 out`, the others carry the digit-by-digit hint against the running pick. So a pass is
     the previous pass with one more number marked out (the one its `Take` line named), not a shorter copy:
-    v8's sort failures were copies that dropped or repeated a number."""
+    the shorter copies of style 7 dropped or repeated a number."""
     direction, values = ops
     asc = direction == "asc"
     question, lines, word, better = _sort_opening(values, asc, rng)
@@ -135,7 +132,7 @@ def sample_max(rng: random.Random) -> tuple[int, ...]:
 
 
 def _max_opening(values: tuple[int, ...], rng: random.Random) -> tuple[str, list[str]]:
-    """The question, a plan line and the first number (shared by the v2 and v3 traces)."""
+    """The question, a plan line and the first number (shared by both max traces)."""
     shown = number_list(values)
     question = pick(rng, (f"What is the largest number in this list: {shown}?", f"Find the maximum of {shown}.",
                           f"Which is the biggest of these numbers: {shown}?"))
@@ -167,9 +164,9 @@ def render_max(values: tuple[int, ...], rng: random.Random) -> Trace:
     return Trace(question, "\n".join(lines), str(cur))
 
 
-def render_max_v3(values: tuple[int, ...], rng: random.Random) -> Trace:
-    """v3: each step compares the number with the running maximum digit by digit (v2 wrote only the verdict,
-    and v2 models misjudged pairs such as 71 and 78)."""
+def render_max_digitwise(values: tuple[int, ...], rng: random.Random) -> Trace:
+    """Style 4: each step compares the number with the running maximum digit by digit (style 2 writes only
+    the verdict, and models trained on it misjudged pairs such as 71 and 78)."""
     question, lines = _max_opening(values, rng)
     cur, ph = values[0], Phraser(rng)
     for v in values[1:]:
@@ -209,7 +206,7 @@ def sample_compare(rng: random.Random) -> tuple[int, int, str]:
 
 
 def _compare_opening(a: int, b: int, want: str, rng: random.Random) -> tuple[str, list[str]]:
-    """The question and the line that counts both numbers' digits (shared by the v2 and v3 traces)."""
+    """The question and the line that counts both numbers' digits (shared by every compare trace)."""
     if want == "larger":
         question = pick(rng, (f"Which is larger, {a} or {b}?", f"Which number is bigger: {a} or {b}?",
                               f"Which is greater, {a} or {b}?"))
@@ -258,15 +255,15 @@ def render_compare(ops: tuple[int, int, str], rng: random.Random) -> Trace:
     return Trace(question, "\n".join(lines), str(big if want == "larger" else small))
 
 
-def render_compare_v3(ops: tuple[int, int, str], rng: random.Random, restate_goal: bool = False) -> Trace:
-    """v3: both lengths are always stated from the counted digits, and each digit comparison names the digit
+def render_compare_by_mark(ops: tuple[int, int, str], rng: random.Random) -> Trace:
+    """Style 4: the goal (larger or smaller) stated first and copied into the last line, not recalled from the
+    question; both lengths always stated from the counted digits, and each digit comparison names the digit
     by its count mark ("Digit 3: 8 vs 4"), so the two digits are fetched by a mark the text already holds."""
     a, b, want = ops
     big, small = max(a, b), min(a, b)
     question, lines = _compare_opening(a, b, want, rng)
     na, nb = len(str(a)), len(str(b))
-    if restate_goal:
-        lines.insert(0, pick(rng, (f"We need the {want} one.", f"The question asks for the {want} number.")))
+    lines.insert(0, pick(rng, (f"We need the {want} one.", f"The question asks for the {want} number.")))
     lines.append(pick(rng, (f"{a} has {_digits(na)} and {b} has {_digits(nb)}.", f"So {a} has {na} and {b} has {nb}.")))
     if na != nb:
         lines.append(f"{max(na, nb)} > {min(na, nb)}, and more digits means a bigger number, so {big} is larger.")
@@ -280,26 +277,18 @@ def render_compare_v3(ops: tuple[int, int, str], rng: random.Random, restate_goa
             if x != y:
                 lines.append(f"{x} {rel} {y}, so {a if x > y else b} is larger.")
                 break
-    if restate_goal:    # v4: the goal is written first and copied at the end, not recalled from the question
-        answer = small if want == "smaller" else big
-        lines.append(f"We need the {want} one: {answer}.")
-    elif want == "smaller":
-        lines.append(pick(rng, (f"That means {small} is the smaller one.", f"So the smaller number is {small}.")))
+    lines.append(f"We need the {want} one: {small if want == 'smaller' else big}.")
     return Trace(question, "\n".join(lines), str(big if want == "larger" else small))
 
 
-def render_compare_v4(ops: tuple[int, int, str], rng: random.Random) -> Trace:
-    """v4: v3 with the goal (larger or smaller) stated in the first line and copied into the last."""
-    return render_compare_v3(ops, rng, restate_goal=True)
-
-
-def render_compare_v5(ops: tuple[int, int, str], rng: random.Random, length_verdict: bool = False) -> Trace:
-    """v5: the goal first; the two numbers compared in one line, each digit pair written next to them (as the
-    v3 max steps do: v4 models fetched the second number's digit by its count mark wrong); a line naming both
-    the larger and the smaller (in either order), so the goal word asked at the end is not simply the nearest;
-    then the goal copied with its number. With `length_verdict` (v9) the line of the two lengths ends with
-    its verdict (`: the same length.` / `: 40906 is longer.`), which decides the form of the next line (v8
-    models compared equal lengths as '3 digits vs 5 digits')."""
+def render_compare_side_by_side(ops: tuple[int, int, str], rng: random.Random,
+                                length_verdict: bool = False) -> Trace:
+    """Style 5: the goal first; the two numbers compared in one line, each digit pair written next to them
+    (as the style-4 max steps do: models fetched the second number's digit by its count mark wrong); a line
+    naming both the larger and the smaller (in either order), so the goal word asked at the end is not simply
+    the nearest; then the goal copied with its number. With `length_verdict` (style 9) the line of the two
+    lengths ends with its verdict (`: the same length.` / `: 40906 is longer.`), which decides the form of
+    the next line (models compared equal lengths as '3 digits vs 5 digits' without it)."""
     a, b, want = ops
     big, small = max(a, b), min(a, b)
     question, lines = _compare_opening(a, b, want, rng)
@@ -320,10 +309,6 @@ def render_compare_v5(ops: tuple[int, int, str], rng: random.Random, length_verd
     lines.append(f"So {halves[0]} and {halves[1]}.")
     lines.append(f"We need the {want} one: {small if want == 'smaller' else big}.")
     return Trace(question, "\n".join(lines), str(big if want == "larger" else small))
-
-
-def render_compare_v9(ops: tuple[int, int, str], rng: random.Random) -> Trace:
-    return render_compare_v5(ops, rng, length_verdict=True)
 
 
 # ------------------------------------------------------------------ parity

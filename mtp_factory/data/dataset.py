@@ -1,25 +1,21 @@
-"""Training strings and held-out evaluation sets for the project's tiny reasoning model.
-
-Training strings are either a chat example (`render_prompt(question) + render_completion(reasoning,
-final)`) or a general-text chunk from the standard library (`general_text`). Evaluation sets are JSON
-lines per family, drawn only from the held-out share of each family's operand space (`tasks.split_of`).
-Everything is a function of the seed (and, for general text, of the Python minor version).
+"""Training strings for the shipped model: a chat example (`render_prompt(question) +
+render_completion(reasoning, final)`), a general-text chunk from the standard library (`general_text`) or
+a drill block. Everything is a function of the seed (and, for general text, of the Python minor version).
+The held-out evaluation sets are written by `eval_sets`.
 """
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
+from mtp_core.bench.scoring import ANSWER_PREFIX, format_answer
 from mtp_core.chat_format import render_completion, render_prompt
-from mtp_core.data import general_text
-from mtp_core.data.arithmetic import render_fact_drill
-from mtp_core.data.phrasing import Trace, maybe, ngram_predictability, spelled
-from mtp_core.data.scoring import ANSWER_PREFIX, format_answer
-from mtp_core.data.tasks import FAMILY_SPECS, generate, render, sample_operands, split_of
-from mtp_core.data.words import render_spell_drill
+from mtp_factory.data import general_text
+from mtp_factory.data.arithmetic import render_fact_drill
+from mtp_factory.data.phrasing import Trace, maybe, ngram_predictability, spelled
+from mtp_factory.data.tasks import FAMILY_SPECS, check_family, generate, render
+from mtp_factory.data.words import render_spell_drill
 
 FAMILIES: list[str] = list(FAMILY_SPECS)
 
@@ -34,11 +30,6 @@ class Example:
     completion: str     # rendered completion (reasoning, `</think>`, final answer section, EOS)
 
 
-def _check_family(family: str) -> None:
-    if family not in FAMILY_SPECS:
-        raise ValueError(f"unknown task family {family!r}; use one of {', '.join(FAMILIES)}")
-
-
 def build_example(family: str, trace: Trace, rng: random.Random) -> Example:
     """Render a trace; the final section is `The answer is X.`, sometimes after a restating line."""
     final = format_answer(trace.answer)
@@ -51,13 +42,13 @@ def build_example(family: str, trace: Trace, rng: random.Random) -> Example:
 
 
 def sample_example(family: str, rng: random.Random, split: str = "train", style: int = 2) -> Example:
-    _check_family(family)
+    check_family(family)
     return build_example(family, generate(family, rng, split, style), rng)
 
 
 def example_for(family: str, operands: tuple, rng: random.Random, style: int = 2) -> Example:
     """The example for fixed operands (e.g. `(123, 456)` for "add"); only the wording depends on `rng`."""
-    _check_family(family)
+    check_family(family)
     return build_example(family, render(family, operands, rng, style), rng)
 
 
@@ -112,67 +103,6 @@ def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15,
             chunk = general_text.render_general(chunks[order.pop()])
             general_chars += len(chunk)
             yield chunk
-
-
-def eval_records(family: str, per_family: int = 50, seed: int = 1234, operand_digits: int | None = None,
-                 task: str | None = None) -> list[dict]:
-    """`per_family` distinct held-out questions of `family` (distinct canonical operands); with
-    `operand_digits`, only questions whose integer operands all have that many digits (records then carry
-    `task`, e.g. "add_3digit")."""
-    _check_family(family)
-    if per_family < 1:
-        raise ValueError(f"per_family must be >= 1, got {per_family}")
-    rng = random.Random(f"eval-{seed}-{family}")
-    seen: set[tuple] = set()
-    records: list[dict] = []
-    for _ in range(200 * per_family + 2000):
-        if len(records) == per_family:
-            return records
-        ops = sample_operands(family, rng, "eval")
-        if operand_digits is not None:
-            ops = _with_digits(family, ops, operand_digits, rng)
-            if ops is None:
-                continue
-        key = FAMILY_SPECS[family].canonical(ops)
-        if key in seen:
-            continue
-        seen.add(key)
-        ex = example_for(family, ops, rng)
-        records.append({"task": task or family, "question": ex.question, "prompt": ex.prompt, "answer": ex.answer})
-    raise ValueError(f"only {len(records)} distinct held-out {family} questions exist; lower per_family")
-
-
-# Target sets beside the families: (file stem / task name, family, operand digits).
-TARGET_SETS = (("add_3digit", "add", 3),)
-
-
-def _with_digits(family: str, ops: tuple, digits: int, rng: random.Random) -> tuple | None:
-    """Held-out operands of `family` with `digits`-digit integers: redrawn until the split agrees."""
-    lo, hi = 10 ** (digits - 1), 10 ** digits - 1
-    for _ in range(1000):
-        cand = tuple(rng.randint(lo, hi) if isinstance(o, int) else o for o in ops)
-        if split_of(family, cand) == "eval":
-            return cand
-    return None
-
-
-def write_eval_sets(out_dir: Path, per_family: int = 50, seed: int = 1234) -> list[Path]:
-    """Write eval_<family>.jsonl for every family, then the TARGET_SETS (eval_add_3digit.jsonl), into
-    `out_dir`; returns the paths in that order."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    sets = [(family, eval_records(family, per_family, seed)) for family in FAMILIES]
-    sets += [(name, eval_records(family, per_family, seed, digits, name)) for name, family, digits in TARGET_SETS]
-    paths = []
-    for name, records in sets:
-        path = out / f"eval_{name}.jsonl"
-        path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in records) + "\n", encoding="utf-8")
-        paths.append(path)
-    return paths
-
-
-def load_eval_set(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def estimate_predictability(seed: int = 0, per_family: int = 400, order: int = 3) -> dict[str, float]:

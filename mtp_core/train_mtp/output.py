@@ -13,7 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from mtp_core.model import DeepseekV3ForCausalLM
-from mtp_core.train.mtp_finetune.inputs import FinetuneOptions
+from mtp_core.train_mtp.inputs import FinetuneOptions
 
 
 MTP_SHARD = "model-mtp.safetensors"

@@ -1,4 +1,4 @@
-"""Model-card artefacts from a training run: loss curves (PNG) and the card's markdown."""
+"""Model-card artefacts from a training run's history: the loss curves (PNG) beside the card."""
 from __future__ import annotations
 
 import json
@@ -65,4 +65,5 @@ def plot_loss_curves(history: list[dict], out_png: Path) -> None:
 
 
 def load_history(run_dir: Path) -> list[dict]:
+    """The per-step history of a `mtp train --out` directory's saved state."""
     return json.loads((run_dir / "state" / "state.json").read_text())["history"]

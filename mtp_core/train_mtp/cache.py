@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.model.forward_path import ForwardPath
-from mtp_core.train.mtp_finetune.inputs import FinetuneOptions
-from mtp_core.train.mtp_finetune.output import layer_of
+from mtp_core.train_mtp.inputs import FinetuneOptions
+from mtp_core.train_mtp.output import layer_of
 
 
 def json_digest(obj) -> str:

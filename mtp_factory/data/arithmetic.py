@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from mtp_core.data.phrasing import Phraser, Trace, cap, compare_steps, digits_of, maybe, pick, place
+from mtp_factory.data.phrasing import Phraser, Trace, cap, compare_steps, digits_of, maybe, pick, place
 
 
 def random_number(rng: random.Random, num_digits: int) -> int:
@@ -119,6 +119,7 @@ def _sub_line(i: int, t: int, u: int, borrow_in: int, ph: Phraser) -> tuple[str,
 
 
 def render_sub(ops: tuple[int, int], rng: random.Random, explicit_sign: bool = False) -> Trace:
+    """With `explicit_sign` (style 4) the first line compares the operands digit by digit and states the sign."""
     a, b = ops
     top, bot = max(a, b), min(a, b)
     r = top - bot
@@ -127,7 +128,8 @@ def render_sub(ops: tuple[int, int], rng: random.Random, explicit_sign: bool = F
                           f"Calculate {a} minus {b}.", f"Find the difference {a} - {b}."))
     lines = []
     if explicit_sign:
-        # v3: which operand is larger is worked out before the first word that depends on it
+        # which operand is larger is worked out before the first word that depends on it (without this line
+        # models misjudged the sign of same-length pairs such as 9743 - 8443)
         lines.append(pick(rng, ("Which is bigger? ", "First the sign. ", "")) + compare_steps(a, b)
                      + (f", so {b} is bigger and the result is negative: compute {b} - {a}, then add a minus sign."
                         if a < b else f", so {a} is not smaller and the result is not negative."))
@@ -159,12 +161,6 @@ def render_sub(ops: tuple[int, int], rng: random.Random, explicit_sign: bool = F
         lines.append(pick(rng, (f"Check: {r} + {bot} = {top}. Correct.",
                                 f"Let me verify: {bot} + {r} = {top}. Yes.")))
     return Trace(question, "\n".join(lines), str(a - b), f"{a} - {b} = {a - b}.")
-
-
-def render_sub_v3(ops: tuple[int, int], rng: random.Random) -> Trace:
-    """v3: v2's column subtraction after an explicit comparison of the operands (v2 models misjudged the sign
-    of same-length pairs such as 9743 - 8443)."""
-    return render_sub(ops, rng, explicit_sign=True)
 
 
 # ------------------------------------------------------------------ single-digit fact drill (training only)

@@ -1,11 +1,11 @@
-"""Exact-match scoring of generated answers.
+"""Exact-match scoring of the shipped model's answers (`mtp sweep --accuracy`, the evaluation scripts).
 
-Every training completion ends with the line `The answer is X.` after `</think>` and a blank line, and
-the phrase "The answer is" never occurs inside a reasoning trace. So the final answer is read from the
-last paragraph of the generated text (after the last `</think>` if one is visible), which works whether
-the decoder kept `<think>`/`</think>` or skipped them: with them skipped the text is
-`reasoning\\n\\n\\nThe answer is X.` and the last paragraph is still the answer line. Text after a
-visible EOS (generation with ignore_eos) is cut off first.
+Every training completion ends with the line `The answer is X.` (the factory writes it with
+`format_answer`) after `</think>` and a blank line, and the phrase "The answer is" never occurs inside a
+reasoning trace. So the final answer is read from the last paragraph of the generated text (after the last
+`</think>` if one is visible), which works whether the decoder kept `<think>`/`</think>` or skipped them:
+with them skipped the text is `reasoning\\n\\n\\nThe answer is X.` and the last paragraph is still the
+answer line. Text after a visible EOS (generation with ignore_eos) is cut off first.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def extract_answer(generated_text: str) -> str | None:
 
 
 def score(records: list[dict], generations: list[str]) -> dict[str, float]:
-    """Exact-match accuracy per task family and 'overall' (records as written by `write_eval_sets`)."""
+    """Exact-match accuracy per task family and 'overall' (held-out records, see `eval_sets`)."""
     if len(records) != len(generations):
         raise ValueError(f"got {len(records)} records but {len(generations)} generations; pass one per record")
     hits: dict[str, list[int]] = defaultdict(list)

@@ -67,7 +67,6 @@ def mtp_depth_forward(model: DeepseekV3ForCausalLM, module: MTPModule, emb: torc
                       hiddens: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """emb [B, S, H] (embeddings of x_{p+1}); hiddens[e-1] [B, S, H] the hidden of input form e.
     Returns g^d [B, S, H] for d = len(hiddens)."""
-    depth = len(hiddens)
     xs = [module.eh_proj(torch.cat([module.enorm(emb), module.hnorm(h)], dim=-1)) for h in hiddens]
     normed = [module.input_layernorm(x) for x in xs]
     attn = module.self_attn

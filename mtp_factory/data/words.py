@@ -5,7 +5,7 @@ import functools
 import random
 import string
 
-from mtp_core.data.phrasing import WORDS, Trace, join_and, maybe, pick, spelled, times
+from mtp_factory.data.phrasing import WORDS, Trace, maybe, pick, spelled, times
 
 
 # ------------------------------------------------------------------ counting a letter
@@ -17,7 +17,7 @@ def sample_count(rng: random.Random) -> tuple[str, str]:
 
 
 def _count_opening(word: str, letter: str, rng: random.Random) -> tuple[str, list[str]]:
-    """The question, an opening line and the word spelled out (shared by the v2 and v3 traces)."""
+    """The question, an opening line and the word spelled out (shared by both count traces)."""
     question = pick(rng, (f"How many times does the letter '{letter}' appear in \"{word}\"?",
                           f"How many '{letter}'s are in the word \"{word}\"?",
                           f"Count the letter '{letter}' in \"{word}\".",
@@ -51,9 +51,10 @@ def render_count(ops: tuple[str, str], rng: random.Random) -> Trace:
     return Trace(question, "\n".join(lines), str(count))
 
 
-def render_count_v3(ops: tuple[str, str], rng: random.Random) -> Trace:
-    """v3: every letter is written next to the target letter before the yes/no, so the decision compares two
-    tokens a step apart (v2's marks had to recall the target from the question: v2 models never learned to)."""
+def render_count_beside_target(ops: tuple[str, str], rng: random.Random) -> Trace:
+    """Style 4: every letter is written next to the target letter before the yes/no, so the decision compares
+    two tokens a step apart (style 2's marks have to recall the target from the question, which models trained
+    on them never learned)."""
     word, letter = ops
     count = word.count(letter)
     question, lines = _count_opening(word, letter, rng)
@@ -66,38 +67,10 @@ def render_count_v3(ops: tuple[str, str], rng: random.Random) -> Trace:
     lines.append(pick(rng, ("", "Checking: ", f"Each letter against '{letter}': ", "Compare: ")) + sep.join(checked) + ".")
     if count == 0:
         lines.append(pick(rng, (f"No yes at all, so '{letter}' does not appear; the count is 0.",
-                                f"Every answer is no, so 0.")))
+                                "Every answer is no, so 0.")))
     else:
         lines.append(pick(rng, (f"The last yes is number {count}, so '{letter}' appears {times(count)}.",
                                 f"{count} yes in all. Total: {count}.", f"That makes {count}.")))
-    return Trace(question, "\n".join(lines), str(count))
-
-
-def render_count_v6(ops: tuple[str, str], rng: random.Random) -> Trace:
-    """v6: the target letter written once as a space-led token ("Target: t."), the word spelled with hyphens
-    (letter tokens without a space), then each letter space-led with its verdict ("m: no, t: match (1)"). A
-    letter that is the target is then the only earlier copy of its own token outside the checks, which one
-    attention head can find; v3 wrote the target beside every letter ("t vs t -> no" was its main error), so
-    the target token stood everywhere and its copies told nothing. Measured (recipe tiny-r1-v6): it does not
-    work: after 2,000 steps the model never writes "match" (count 20%: every letter that occurs is missed),
-    where the v3 form reached 74% in the same branch (tiny-r1-v5). Kept as a recorded negative result."""
-    word, letter = ops
-    count = word.count(letter)
-    question, lines = _count_opening(word, letter, rng)
-    lines[1] = pick(rng, (f"Target: {letter}.", f"The letter to find: {letter}."))
-    lines.append("-".join(word) + ".")
-    checked, running = [], 0
-    for c in word:
-        running += c == letter
-        checked.append(f"{c}: match ({running})" if c == letter else f"{c}: no")
-    lines.append(pick(rng, ("Checking: ", "Each letter: ", "Letter by letter: ")) + ", ".join(checked) + ".")
-    if count == 0:
-        lines.append(pick(rng, (f"No match at all, so '{letter}' does not appear; the count is 0.",
-                                "Every answer is no, so 0.")))
-    else:
-        lines.append(pick(rng, (f"The last match is number {count}, so '{letter}' appears {times(count)}.",
-                                f"{count} {'match' if count == 1 else 'matches'} in all. Total: {count}.",
-                                f"That makes {count}.")))
     return Trace(question, "\n".join(lines), str(count))
 
 
@@ -108,8 +81,9 @@ def sample_reverse(rng: random.Random) -> tuple[str]:
 
 
 def render_reverse(ops: tuple[str], rng: random.Random, spell_joined: bool = False) -> Trace:
-    """With `spell_joined` (v3) the joined word and the answer are spelled a letter per token in training and
-    the check line is left out (v2 models had to emit BPE pieces such as "ab" from the letters a, b)."""
+    """With `spell_joined` (style 4) the joined word and the answer are spelled a letter per token in training
+    and the check line is left out (without it a model has to emit BPE pieces such as "ab" from the letters
+    a, b)."""
     (word,) = ops
     rev = word[::-1]
     question = pick(rng, (f"Reverse the word \"{word}\".", f"What is \"{word}\" spelled backwards?",
@@ -136,18 +110,13 @@ def render_reverse(ops: tuple[str], rng: random.Random, spell_joined: bool = Fal
     return Trace(question, "\n".join(lines), rev)
 
 
-def render_reverse_v3(ops: tuple[str], rng: random.Random) -> Trace:
-    """v3: the joined word and the answer spelled a letter per token in training (see render_reverse)."""
-    return render_reverse(ops, rng, spell_joined=True)
-
-
 # ------------------------------------------------------------------ spelling drill (training only)
 
 @functools.lru_cache(maxsize=1)
 def _drill_pieces() -> tuple[str, ...]:
     """Words whose reversal is a training question: the drill's made-up words are cut from these only, so no
     piece of a held-out reverse word is drilled that no training word also has."""
-    from mtp_core.data.tasks import split_of
+    from mtp_factory.data.tasks import split_of
     return tuple(w for w in WORDS if split_of("reverse", (w,)) == "train")
 
 

@@ -27,7 +27,8 @@ class Trace(NamedTuple):
 # A span of a training text that is tokenized one character per token (BPE would merge it): the reversal
 # family builds its word letter by letter, and a model that has to emit canonical BPE pieces ("rek" + "ab")
 # must know every piece's spelling to do that. The decoded text is identical either way. The markers are
-# private-use characters that only v3-style traces write and only the trainer's encoder reads (it drops them).
+# private-use characters that only the reversal traces of style 4 on write and only the trainer's encoder
+# reads (it drops them).
 SPELL_OPEN, SPELL_CLOSE = "\ue000", "\ue001"
 
 
@@ -139,13 +140,6 @@ def compare_steps(v: int, w: int) -> str:
         if x != y:
             break
     return f"{v} vs {w}: " + ", ".join(steps)
-
-
-def join_and(items: Sequence[str]) -> str:
-    """'3', '3 and 8', '3, 8 and 9'."""
-    if len(items) <= 1:
-        return "".join(items)
-    return ", ".join(items[:-1]) + " and " + items[-1]
 
 
 def times(n: int) -> str:

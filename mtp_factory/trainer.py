@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import math
 import re
 import shutil
@@ -19,22 +18,25 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
+import mtp_core
 from mtp_core.config import ModelConfig
-from mtp_core.data.phrasing import SPELL_CLOSE, SPELL_OPEN
 from mtp_core.model import DeepseekV3ForCausalLM
-from mtp_core.model.moe import MoE
 from mtp_core.tiny import init_weights
-from mtp_core.train.mtp_objective import mtp_losses
-from mtp_core.train.recipes import Recipe
+from mtp_core.tokenizer_build import train_bpe_tokenizer, write_tokenizer_files
+from mtp_core.train_mtp.objective import mtp_losses
+from mtp_core.train_mtp.state import balance_experts, load_state, save_state
+from mtp_factory.data.dataset import training_texts
+from mtp_factory.data.phrasing import SPELL_CLOSE, SPELL_OPEN
+from mtp_factory.recipes import Recipe
 
-log = logging.getLogger("mtp.train")
+# the shipped models (each a directory named as its recipe)
+ASSETS = Path(mtp_core.__file__).resolve().parent / "assets"
 
 
-def build_tokenizer(recipe: Recipe, out_dir: Path):
-    from mtp_core.data.dataset import training_texts
-    from mtp_core.tokenizer_build import train_bpe_tokenizer, write_tokenizer_files
-
+def build_tokenizer(recipe: Recipe, out_dir: Path) -> Tokenizer:
+    """Trains the recipe's BPE tokenizer on its own training texts and writes it into `out_dir`."""
     texts = list(training_texts(seed=recipe.seed + 7919, num_examples=recipe.tokenizer_examples,
                                 general_fraction=recipe.general_fraction))
     tok = train_bpe_tokenizer(texts, recipe.vocab_size)
@@ -51,10 +53,8 @@ def trace_style_at(recipe: Recipe, step: int) -> int:
     return style
 
 
-def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
+def batch_for_step(tok: Tokenizer, recipe: Recipe, step: int) -> torch.Tensor:
     """[B, S] token ids of step `step`: examples packed back to back, a pure function of (seed, step)."""
-    from mtp_core.data.dataset import training_texts
-
     rows, seq_len, _ = rows_at(recipe, step)
     need = rows * seq_len
     ids: list[int] = []
@@ -69,7 +69,7 @@ def batch_for_step(tok, recipe: Recipe, step: int) -> torch.Tensor:
                             drill_fraction=recipe.drill_fraction, style=style, spell_drill_fraction=spell)
     while len(ids) < need:
         chunk = list(itertools.islice(stream, 16))
-        if style >= 3:
+        if style > 2:       # later styles may hold spelled spans
             for text in chunk:
                 ids.extend(encode_training_text(tok, text))
         else:
@@ -88,7 +88,7 @@ def rows_at(recipe: Recipe, step: int) -> tuple[int, int, float]:
     return shape
 
 
-def encode_training_text(tok, text: str) -> list[int]:
+def encode_training_text(tok: Tokenizer, text: str) -> list[int]:
     """Token ids of a training string whose spelled spans (data.phrasing.spelled) are tokenized a character
     per token (a leading space joins the first character, as BPE's pre-tokenizer would); the rest as usual."""
     parts = re.split(f"{SPELL_OPEN}(.*?){SPELL_CLOSE}", text, flags=re.DOTALL)
@@ -133,36 +133,23 @@ def lr_at(recipe: Recipe, step: int) -> float:
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-def balance_experts(model: DeepseekV3ForCausalLM, speed: float) -> None:
-    """DeepSeek-V3's auxiliary-loss-free balancing: nudge each expert's selection bias toward equal load."""
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, MoE) and getattr(m, "load_counts", None) is not None:
-                load = m.load_counts.float()
-                m.gate.e_score_correction_bias += speed * torch.sign(load.mean() - load)
-                m.load_counts = None
-
-
 def run_model_config(run_dir: Path) -> tuple[Recipe, dict]:
     """(recipe, config.json dict) of a `mtp train --out` directory, from its recipe.json and tokenizer, as the
     trainer built them (for reading a run's saved state while it trains)."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     rec = json.loads((run_dir / "recipe.json").read_text())
     recipe = Recipe(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in rec.items()})
-    tok = HFTokenizer.from_file(str(run_dir / "tokenizer" / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(run_dir / "tokenizer" / "tokenizer.json"))
     return recipe, recipe.model_config(tok.get_vocab_size(), *_bos_eos(tok))
 
 
-def _bos_eos(tok) -> tuple[int, int]:
+def _bos_eos(tok: Tokenizer) -> tuple[int, int]:
     return tok.token_to_id("<｜begin▁of▁sentence｜>"), tok.token_to_id("<｜end▁of▁sentence｜>")
 
 
 def _init_from_checkpoint(model: DeepseekV3ForCausalLM, source: str, echo: Callable[[str], None]) -> None:
     """Start from trained weights (a shipped asset's name, or a checkpoint directory) instead of the random
     init: every tensor of the model must be there with the same shape (weights only from safetensors)."""
-    assets = Path(__file__).resolve().parent.parent / "assets"
-    src = assets / source if (assets / source / "model.safetensors").is_file() else Path(source)
+    src = ASSETS / source if (ASSETS / source / "model.safetensors").is_file() else Path(source)
     if not (src / "model.safetensors").is_file():
         raise ValueError(f"init_from={source!r}: no model.safetensors there; name a shipped asset or a checkpoint dir")
     weights = load_file(str(src / "model.safetensors"))
@@ -174,47 +161,16 @@ def _init_from_checkpoint(model: DeepseekV3ForCausalLM, source: str, echo: Calla
     echo(f"initialised from {src}")
 
 
-def _save_state(state_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, history: list) -> None:
-    tmp = state_dir.with_name(state_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp / "model.safetensors"))
-    names = {id(p): n for n, p in model.named_parameters()}
-    moments = {}
-    for p, st in opt.state.items():
-        n = names[id(p)]
-        moments[f"{n}.exp_avg"] = st["exp_avg"].contiguous()
-        moments[f"{n}.exp_avg_sq"] = st["exp_avg_sq"].contiguous()
-        moments[f"{n}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
-    save_file(moments, str(tmp / "optimizer.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({"step": step, "history": history}))
-    shutil.rmtree(state_dir, ignore_errors=True)
-    tmp.rename(state_dir)
-
-
-def _load_state(state_dir: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[int, list]:
-    model.load_state_dict(load_file(str(state_dir / "model.safetensors")))
-    moments = load_file(str(state_dir / "optimizer.safetensors"))
-    for n, p in model.named_parameters():
-        if f"{n}.exp_avg" in moments:
-            opt.state[p] = {"step": moments[f"{n}.step"][0].clone(), "exp_avg": moments[f"{n}.exp_avg"],
-                            "exp_avg_sq": moments[f"{n}.exp_avg_sq"]}
-    st = json.loads((state_dir / "state.json").read_text())
-    return int(st["step"]), list(st["history"])
-
-
 def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device: str = "cpu",
           echo: Callable[[str], None] = print) -> Path:
     """Trains (or resumes) into out_dir/state; exports the checkpoint to out_dir/model when done."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     torch.set_num_threads(recipe.num_threads)
     torch.set_flush_denormal(True)   # denormal gradients are very slow on CPUs
     out_dir.mkdir(parents=True, exist_ok=True)
     tok_dir = out_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
         tok_dir.mkdir(parents=True, exist_ok=True)
-        shipped = Path(__file__).resolve().parent.parent / "assets" / (recipe.tokenizer_from or recipe.name)
+        shipped = ASSETS / (recipe.tokenizer_from or recipe.name)
         if (shipped / "tokenizer.json").is_file():
             # the `tokenizers` BPE trainer breaks count ties in hash order, so a retrained vocabulary can
             # differ run to run; reproducing a shipped model starts from its exact tokenizer
@@ -223,7 +179,7 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
             echo(f"using the shipped tokenizer of {recipe.tokenizer_from or recipe.name}")
         else:
             build_tokenizer(recipe, tok_dir)
-    tok = HFTokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
     bos, eos = _bos_eos(tok)
     cfg_dict = recipe.model_config(tok.get_vocab_size(), bos, eos)
     (out_dir / "recipe.json").write_text(json.dumps(recipe.to_dict(), indent=2))
@@ -235,7 +191,7 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
     state_dir = out_dir / "state"
-    step, history = (_load_state(state_dir, model, opt) if (state_dir / "state.json").is_file() else (0, []))
+    step, history = (load_state(state_dir, model, opt) if (state_dir / "state.json").is_file() else (0, []))
     if not step and recipe.init_from:   # a resumed run has its own weights in the state
         _init_from_checkpoint(model, recipe.init_from, echo)
     if step:
@@ -276,7 +232,7 @@ def train(recipe: Recipe, out_dir: Path, max_steps: Optional[int] = None, device
                  f"mtp acc {[round(a, 3) for a in v_acc]} eagle acc {[round(a, 3) for a in e_acc]} "
                  f"{rec['tokens_per_s']:.0f} tok/s")
         if step % recipe.save_every == 0 or step == last:
-            _save_state(state_dir, model, opt, step, history)
+            save_state(state_dir, model, opt, step, history)
     if step >= recipe.steps:
         export(model, cfg_dict, tok_dir, out_dir / "model", recipe)
         echo(f"exported {out_dir / 'model'}")
