@@ -15,21 +15,23 @@ GPU_MOE_BACKENDS = ("CUTLASS", "TRTLLM", "WIDEEP", "CUTEDSL", "DEEPGEMM", "TRITO
 
 @dataclass(frozen=True)
 class Compat:
-    name: str                                    # what is written: a flag, a YAML key path, a flag's values
+    """One setting kept only for compatibility."""
+    name: str                                    # what is written: a flag, a YAML key path (" / ": both)
     kind: str                                    # alias | old (pre-1.0 YAML key) | ignored | fallback
     maps_to: str                                 # what it stands for ("" = nothing)
     why: str                                     # why it is kept
     warning: str = ""                            # logged when used ("" = silent); {path} {value} {why} {reason}
     target: tuple[str, ...] = ()                 # (YAML alias, old key) the key path it sets
     transform: Optional[Callable[[bool], Any]] = None   # (old key) its boolean -> the value of `target`
+    values: tuple[str, ...] = ()                 # (fallback) the values concerned
 
     @property
     def key(self) -> str:
-        """An old key's name inside pytorch_backend_config (and at the top level)."""
+        """The name's last key: an old key's name inside pytorch_backend_config, an alias's in its section."""
         return self.name.rpartition(".")[2]
 
 
-_OLD_WHY = f"TensorRT-LLM 0.19-0.21 files: the {OLD_SECTION} section, or the same key at the top level"
+_OLD_WHY = "TensorRT-LLM 0.19-0.21's spelling"
 _OLD_WARNING = "warning: {path} is deprecated (TensorRT-LLM < 1.0 spelling); write {maps_to}"
 
 
@@ -38,13 +40,13 @@ def _old(key: str, target: tuple[str, ...], maps_to: str, transform: Optional[Ca
 
 
 MOE_FALLBACK = Compat(
-    "--moe_backend / moe_config.backend: " + ", ".join(GPU_MOE_BACKENDS), "fallback", "the PyTorch MoE (VANILLA)",
+    "--moe_backend / moe_config.backend", "fallback", "the PyTorch MoE (VANILLA)",
     "TensorRT-LLM's GPU MoE kernels; this engine has one MoE (the warning is logged on a CPU; on a GPU none)",
-    "MoE backend {value} needs an NVIDIA GPU and {reason}; using the PyTorch MoE")
+    "MoE backend {value} needs an NVIDIA GPU and {reason}; using the PyTorch MoE", values=GPU_MOE_BACKENDS)
 
 COMPAT: tuple[Compat, ...] = (
     Compat("--spec_decode_nextn", "alias", "--spec_decode_max_draft_len",
-           "the flag's name in TensorRT-LLM's quickstart_advanced.py before max_draft_len"),
+           "the older name of the flag in TensorRT-LLM's quickstart_advanced.py"),
     Compat("--config", "alias", "--extra_llm_api_options", "trtllm-serve's name of the YAML file"),
     Compat("speculative_config.max_draft_len", "alias", "speculative_config.num_nextn_predict_layers",
            "TensorRT-LLM's other name of K; give one of the two (two different values are an error)",
@@ -82,13 +84,17 @@ def warning_text(row: Compat, **facts: Any) -> str:
 
 
 def markdown() -> str:
-    """The table for the docs."""
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")
+    """The table for the docs (an old key is accepted at the top level too where that is not a current key)."""
+    from .engine import LLMConfig
+    from .schema import entries
 
+    current = {e.name for e in entries(LLMConfig) if e.spec.yaml}
     out = ["| Setting | Stands for | Why it is kept | Logged when used |", "|---|---|---|---|"]
     for c in COMPAT:
-        logged = c.warning.replace("{maps_to}", c.maps_to).replace("{why}", c.why) if c.warning else "nothing"
-        out.append(f"| `{cell(c.name)}` | {cell(c.maps_to or 'nothing (ignored)')} | {cell(c.why)} | "
-                   f"{cell(logged)} |")
+        names = [f"`{name}`" for name in c.name.split(" / ")]
+        if c.kind == "old" and c.key not in current:
+            names.append(f"`{c.key}`")
+        written = " / ".join(names) + (": " + ", ".join(c.values) if c.values else "")
+        logged = c.warning.removeprefix("warning: ").replace("{maps_to}", c.maps_to).replace("{why}", c.why)
+        out.append(f"| {written} | {c.maps_to or 'nothing (ignored)'} | {c.why} | {logged or 'nothing'} |")
     return "\n".join(out) + "\n"

@@ -179,7 +179,8 @@ class CudaGraphConfig:
 class MoeConfig:
     """Mixture-of-experts kernels (one implementation here; see compat.COMPAT)."""
     backend: str = opt("auto", "MoE kernels; GPU backends fall back to PyTorch on a CPU.", choices=MOE_BACKENDS,
-                       norm=_moe_backend, flags=(Flag("--moe_backend", choices=("auto", "VANILLA", *GPU_MOE_BACKENDS)),))
+                       norm=_moe_backend,
+                       flags=(Flag("--moe_backend", choices=("auto", "VANILLA", *GPU_MOE_BACKENDS)),))
 
 
 @dataclass
@@ -216,7 +217,8 @@ class LLMConfig:
         True, "On a CPU with the native forward, a greedy decode step (plain, or MTP Eagle with strict acceptance) "
               "runs as one native call (engine/native_step.py); False runs every step through the general path (the "
               "reference the native step is tested against; env MTP_CORE_NATIVE_STEP=0 does the same).", yaml=False)
-    enable_chunked_prefill: bool = opt(False, "Split long prompts over steps.", flags=(Flag("--enable_chunked_prefill"),))
+    enable_chunked_prefill: bool = opt(False, "Split long prompts over steps.",
+                                       flags=(Flag("--enable_chunked_prefill"),))
     print_iter_log: bool = opt(False, "One stderr line per engine step.", flags=(Flag("--print_iter_log"),))
     tensor_parallel_size: int = opt(1, "Tensor-parallel size (launch with torchrun --nproc_per_node N).", ge=1,
                                     flags=(Flag("--tp_size"),))

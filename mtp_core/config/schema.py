@@ -83,7 +83,7 @@ class Spec:
 class Rule:
     """A check across fields of one config object."""
     path: str                                             # the field the error names
-    broken: Callable[[Any], Optional[dict[str, Any]]]     # the facts for the message; None when it holds
+    broken: Callable[[Any], Optional[dict[str, Any]]]     # None when it holds, else the facts for the message
     message: str                                          # {at}: the object's key path, then the facts
     flag_message: str = ""                                # the same in flag words ({flag[field]})
 
