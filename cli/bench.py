@@ -9,34 +9,30 @@ from __future__ import annotations
 import inspect
 import json
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from cli.common import run_or_exit, setup_logging
+from cli.options import brief_option, plain
 
-# engine flags shared with `mtp sweep` (the names of quickstart's flags)
-MODEL_DIR = typer.Option(None, "--model_dir", help="Checkpoint directory (default: the shipped model).")
-DTYPE = typer.Option("auto", "--dtype", help="auto | float32 | bfloat16 (auto = float32 on CPU).")
-MAX_NUM_TOKENS = typer.Option(8192, "--max_num_tokens", help="Most tokens in one engine step.")
-MAX_SEQ_LEN = typer.Option(None, "--max_seq_len", help="Longest prompt + output (default: the model's).")
-KV_FRACTION = typer.Option(0.9, "--kv_cache_fraction", help="Share of free memory for the KV cache.")
-EXTRA_OPTIONS = typer.Option(None, "--extra_llm_api_options", "--config", help="TensorRT-LLM LLM-API YAML file.")
-NUM_THREADS = typer.Option(None, "--num_threads", help="CPU threads for torch (default: torch's choice).")
+# engine flags shared with `mtp sweep`, in their brief form (quickstart's names; declared by the config schema)
+MODEL_DIR = brief_option("model_dir")
+DTYPE = brief_option("dtype")
+MAX_NUM_TOKENS = brief_option("max_num_tokens")
+MAX_SEQ_LEN = brief_option("max_seq_len")
+KV_FRACTION = brief_option("kv_cache_fraction")
+EXTRA_OPTIONS = brief_option("extra_llm_api_options")
+NUM_THREADS = brief_option("num_threads")
+LOG_LEVEL = brief_option("log_level")
 WARMUP = typer.Option(2, "--warmup", help="Requests run before measuring (not reported).")
 REPORT_JSON = typer.Option(None, "--report_json", help="Write the report as JSON to this file.")
-LOG_LEVEL = typer.Option("warning", "--log_level", help="debug | info | warning | error.")
 
 
 def explicit_flags(ctx: typer.Context) -> dict[str, Any]:
     return {p.name: ctx.params[p.name] for p in ctx.command.params
             if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"}
-
-
-def _plain(v: Any) -> Any:
-    return v.value if isinstance(v, Enum) else v
 
 
 def quickstart_defaults() -> dict[str, Any]:
@@ -47,7 +43,7 @@ def quickstart_defaults() -> dict[str, Any]:
     for name, prm in inspect.signature(quickstart_command).parameters.items():
         d = getattr(prm.default, "default", prm.default)
         if d is not inspect.Parameter.empty and d is not ...:
-            out[name] = _plain(d)
+            out[name] = plain(d)
     return out
 
 
@@ -56,7 +52,7 @@ def llm_config(p: dict[str, Any], explicit: dict[str, Any], max_batch_size: int,
     from cli.common import build_llm_config
 
     full = quickstart_defaults()
-    full.update({k: _plain(v) for k, v in p.items() if k in full})
+    full.update({k: plain(v) for k, v in p.items() if k in full})
     full.update(spec_decode_algo=spec_algo, max_batch_size=max_batch_size)
     cfg = build_llm_config(full, explicit)
     cfg.num_threads = p.get("num_threads")
@@ -99,30 +95,21 @@ def bench_command(
                                     help="Emit exactly output_tokens per request."),
     streaming: bool = typer.Option(False, "--streaming",
                                     help="Detokenize every step as a streaming client; report ITL."),
-    spec_decode_algo: Optional[str] = typer.Option(None, "--spec_decode_algo", help="MTP (absent = no speculation)."),
-    spec_decode_max_draft_len: int = typer.Option(1, "--spec_decode_max_draft_len", "--spec_decode_nextn",
-                                                  help="Draft tokens per step, K (nextn)."),
-    mtp_mode: str = typer.Option("auto", "--mtp_mode", help="auto | eagle | vanilla."),
-    use_mtp_vanilla: bool = typer.Option(False, "--use_mtp_vanilla", help="MTP Vanilla (K distinct modules)."),
-    use_relaxed_acceptance_for_thinking: bool = typer.Option(False, "--use_relaxed_acceptance_for_thinking",
-                                                             help="Relaxed acceptance inside <think>...</think>."),
-    relaxed_topk: int = typer.Option(1, "--relaxed_topk", help="Relaxed acceptance: candidates from the top-k."),
-    relaxed_delta: float = typer.Option(0.0, "--relaxed_delta", help="Relaxed acceptance: probability margin."),
-    spec_decode_draft_len_policy: str = typer.Option(
-        "cost", "--spec_decode_draft_len_policy",
-        help="cost: 0..K drafts per step from measured step costs (default); fixed: K every step."),
-    spec_decode_draft_confidence: float = typer.Option(0.0, "--spec_decode_draft_confidence",
-                                                       help="Stop drafting below this draft-probability product (0 = off)."),
-    spec_decode_draft_len_schedule: Optional[str] = typer.Option(None, "--spec_decode_draft_len_schedule",
-                                                                 help="Max drafts per batch size, e.g. 1:4,4:2,16:0."),
-    spec_decode_acceptance_window: int = typer.Option(0, "--spec_decode_acceptance_window",
-                                                      help="Per-request acceptance window in steps (0 = off)."),
-    spec_decode_acceptance_length_threshold: float = typer.Option(
-        0.0, "--spec_decode_acceptance_length_threshold", help="AL threshold of the acceptance window."),
+    spec_decode_algo: Optional[str] = brief_option("spec_decode_algo"),
+    spec_decode_max_draft_len: int = brief_option("spec_decode_max_draft_len"),
+    mtp_mode: str = brief_option("mtp_mode"),
+    use_mtp_vanilla: bool = brief_option("use_mtp_vanilla"),
+    use_relaxed_acceptance_for_thinking: bool = brief_option("use_relaxed_acceptance_for_thinking"),
+    relaxed_topk: int = brief_option("relaxed_topk"),
+    relaxed_delta: float = brief_option("relaxed_delta"),
+    spec_decode_draft_len_policy: str = brief_option("spec_decode_draft_len_policy"),
+    spec_decode_draft_confidence: float = brief_option("spec_decode_draft_confidence"),
+    spec_decode_draft_len_schedule: Optional[str] = brief_option("spec_decode_draft_len_schedule"),
+    spec_decode_acceptance_window: int = brief_option("spec_decode_acceptance_window"),
+    spec_decode_acceptance_length_threshold: float = brief_option("spec_decode_acceptance_length_threshold"),
     dtype: str = DTYPE,
     kv_cache_fraction: float = KV_FRACTION,
-    disable_kv_cache_reuse: bool = typer.Option(False, "--disable_kv_cache_reuse",
-                                                help="Turn prefix caching (KV block reuse) off."),
+    disable_kv_cache_reuse: bool = brief_option("disable_kv_cache_reuse"),
     extra_llm_api_options: Optional[Path] = EXTRA_OPTIONS,
     num_threads: Optional[int] = NUM_THREADS,
     roofline: bool = typer.Option(False, "--roofline", help="Measure memory bandwidth; print the floor step time."),

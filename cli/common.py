@@ -14,17 +14,14 @@ from typing import Any, Callable, Iterable, Optional
 import typer
 
 import mtp_core
+from cli.options import LOG_LEVELS
+from mtp_core.config import LLMConfig
+from mtp_core.config.compat import GPU_MOE_BACKENDS, MOE_FALLBACK, rows, warning_text
 
 DEFAULT_MODEL_DIR = Path(mtp_core.__file__).parent / "assets" / "tiny-r1"
 log = logging.getLogger("mtp.cli")
 
 EXIT_OK, EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPT, EXIT_PIPE = 0, 1, 2, 130, 141
-SPEC_FLAGS = ("spec_decode_max_draft_len", "use_relaxed_acceptance_for_thinking", "relaxed_topk",
-              "relaxed_delta", "use_mtp_vanilla", "mtp_mode", "spec_decode_draft_confidence",
-              "spec_decode_draft_len_schedule", "spec_decode_acceptance_window",
-              "spec_decode_acceptance_length_threshold", "spec_decode_draft_len_policy")
-LOG_LEVELS = ("debug", "info", "warning", "error")
-GPU_MOE_BACKENDS = ("CUTLASS", "TRTLLM", "WIDEEP", "CUTEDSL", "DEEPGEMM", "TRITON")
 
 
 # ---- errors and logging ---------------------------------------------------------------------
@@ -120,71 +117,30 @@ def _note(line: str) -> None:
     log.warning("%s", line[len("warning: "):] if line.startswith("warning: ") else line)
 
 
-def build_llm_config(p: dict[str, Any], explicit: dict[str, Any], note: Callable[[str], None] = _note):
+def build_llm_config(p: dict[str, Any], explicit: dict[str, Any], note: Callable[[str], None] = _note) -> LLMConfig:
     """p: every flag's value (plain Python values); explicit: the flags typed on the command line.
 
-    The YAML file (--extra_llm_api_options / --config) is applied last: its values win, each override of
-    a typed flag is reported through `note`."""
-    from mtp_core.config import CudaGraphConfig, KvCacheConfig, LLMConfig, MoeConfig, SpeculativeConfig
+    The flags are checked and mapped by the schema (mtp_core/config/flags.py). The YAML file
+    (--extra_llm_api_options / --config) is applied last: its values win, each override of a typed flag is
+    reported through `note`."""
+    from mtp_core.config.flags import config_from_flags, section_flags
+    from mtp_core.config.schema import validate
 
-    model_dir = p["model_dir"]
-    if model_dir is None:
-        if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-            raise ValueError(f"no --model_dir given and the shipped model is not installed at {DEFAULT_MODEL_DIR}; "
-                             "pass --model_dir (e.g. one written by `mtp make-tiny DIR`)")
-        model_dir = DEFAULT_MODEL_DIR
-    for flag in ("max_batch_size", "max_num_tokens", "tp_size", "spec_decode_max_draft_len", "relaxed_topk"):
-        if p[flag] < 1:
-            raise ValueError(f"--{flag} must be >= 1, got {p[flag]}")
-    if p.get("num_threads") is not None and p["num_threads"] < 1:
-        raise ValueError(f"--num_threads must be >= 1, got {p['num_threads']}")
-    if p["max_seq_len"] is not None and p["max_seq_len"] < 2:
-        raise ValueError(f"--max_seq_len must be >= 2, got {p['max_seq_len']}")
-    if p["moe_ep_size"] == 0 or p["moe_ep_size"] < -1:
-        raise ValueError(f"--moe_ep_size must be >= 1 or -1 (auto), got {p['moe_ep_size']}")
-    if not 0 < p["kv_cache_fraction"] <= 1:
-        raise ValueError(f"--kv_cache_fraction must be in (0, 1], got {p['kv_cache_fraction']}")
-    if p["relaxed_delta"] < 0:
-        raise ValueError(f"--relaxed_delta must be >= 0, got {p['relaxed_delta']}")
-    spec = None
-    algo = p["spec_decode_algo"]
-    if algo is not None:
-        if algo.upper() != "MTP":
-            raise ValueError(f"--spec_decode_algo {algo!r} is not supported; use MTP (or omit it for no speculation)")
-        spec = SpeculativeConfig(num_nextn_predict_layers=p["spec_decode_max_draft_len"],
-                                 use_relaxed_acceptance_for_thinking=p["use_relaxed_acceptance_for_thinking"],
-                                 relaxed_topk=p["relaxed_topk"], relaxed_delta=p["relaxed_delta"],
-                                 use_mtp_vanilla=p["use_mtp_vanilla"], mtp_mode=p["mtp_mode"].lower(),
-                                 **adaptive_options(p))
-    graphs = None
-    if p.get("use_cuda_graph"):
-        graphs = CudaGraphConfig(batch_sizes=list(p.get("cuda_graph_batch_sizes") or []) or None,
-                                 enable_padding=bool(p.get("cuda_graph_padding_enabled")))
-    cfg = LLMConfig(
-        model_dir=str(model_dir), dtype=p["dtype"], max_batch_size=p["max_batch_size"],
-        max_num_tokens=p["max_num_tokens"], max_seq_len=p["max_seq_len"], speculative_config=spec,
-        kv_cache_config=KvCacheConfig(free_gpu_memory_fraction=p["kv_cache_fraction"],
-                                      dtype=p["kv_cache_dtype"].lower(),
-                                      enable_block_reuse=not p.get("disable_kv_cache_reuse", False)),
-        cuda_graph_config=graphs, moe_config=MoeConfig(backend=p.get("moe_backend", "auto")),
-        disable_overlap_scheduler=p["disable_overlap_scheduler"],
-        enable_chunked_prefill=p["enable_chunked_prefill"], print_iter_log=p["print_iter_log"],
-        tensor_parallel_size=p["tp_size"], keep_quantized=(True if p.get("keep_quantized") else False if p.get("dequantize") else None),
-        moe_expert_parallel_size=1 if p["moe_ep_size"] == -1 else p["moe_ep_size"],
-        num_threads=p.get("num_threads"), device=default_device(),
-    )
-    if p.get("extra_llm_api_options") is not None:
+    cfg = config_from_flags({**p, "model_dir": _model_dir(p.get("model_dir"))})
+    cfg.device = default_device()
+    path = p.get("extra_llm_api_options")
+    if path is not None:
         from mtp_core.yaml_config import apply_yaml_options, load_yaml_options
 
-        path = p["extra_llm_api_options"]
         opts = load_yaml_options(path)
         try:
             cfg = apply_yaml_options(cfg, opts, explicit, note)
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
-    cfg.validate()
+    else:
+        validate(cfg, flag_words=True)       # the rules across fields, worded with the flags that set them
     if cfg.speculative_config is None:
-        typed = [f"--{f}" for f in SPEC_FLAGS if f in explicit]
+        typed = [f"--{f}" for f in section_flags("speculative_config") if f in explicit]
         if typed:
             log.warning("%s %s no effect without --spec_decode_algo MTP", ", ".join(typed),
                         "has" if len(typed) == 1 else "have")
@@ -192,32 +148,20 @@ def build_llm_config(p: dict[str, Any], explicit: dict[str, Any], note: Callable
     return cfg
 
 
-def adaptive_options(p: dict[str, Any]) -> dict[str, Any]:
-    """The adaptive draft-length flags -> SpeculativeConfig fields, with one-line errors naming the flag."""
-    from mtp_core.speculative.adaptive import parse_schedule
+def _model_dir(model_dir: Optional[Path]) -> Path:
+    if model_dir is not None:
+        return model_dir
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise ValueError(f"no --model_dir given and the shipped model is not installed at {DEFAULT_MODEL_DIR}; "
+                         "pass --model_dir (e.g. one written by `mtp make-tiny DIR`)")
+    return DEFAULT_MODEL_DIR
 
-    c = p.get("spec_decode_draft_confidence", 0.0)
-    if c is not None and not 0 <= c < 1:
-        raise ValueError(f"--spec_decode_draft_confidence must be in [0, 1) (0 = off), got {c}")
-    w = p.get("spec_decode_acceptance_window", 0) or 0
-    if w < 0:
-        raise ValueError(f"--spec_decode_acceptance_window must be >= 0 (0 = off), got {w}")
-    t = p.get("spec_decode_acceptance_length_threshold", 0.0) or 0.0
-    if t < 0:
-        raise ValueError(f"--spec_decode_acceptance_length_threshold must be >= 0, got {t}")
-    sched = p.get("spec_decode_draft_len_schedule")
-    sched = parse_schedule(sched, "--spec_decode_draft_len_schedule") if sched else None
-    K = p.get("spec_decode_max_draft_len", 1)
-    over = next(((b, k) for b, k in (sched or {}).items() if k > K), None)
-    if over is not None and p.get("extra_llm_api_options") is None:     # (a YAML file may set K itself)
-        raise ValueError(f"--spec_decode_draft_len_schedule: {over[1]} drafts at batch size {over[0]} exceed "
-                         f"--spec_decode_max_draft_len {K}; lower the entry or raise the draft length")
-    policy = str(p.get("spec_decode_draft_len_policy") or "cost").lower()
-    if policy not in ("cost", "fixed"):
-        raise ValueError(f"--spec_decode_draft_len_policy must be cost (0..K drafts per step from measured costs) or "
-                         f"fixed (K every step), got {policy!r}")
-    return dict(draft_confidence_threshold=float(c or 0.0), draft_len_schedule=sched, acceptance_window=w,
-                acceptance_length_threshold=float(t), draft_len_policy=policy)
+
+def warn_ignored_flags(p: dict[str, Any]) -> None:
+    """The flags accepted only for compatibility and ignored (compat.COMPAT): one warning each that is set."""
+    for row in rows("ignored"):
+        if row.name.startswith("--") and p.get(row.name[2:]):
+            log.warning("%s", warning_text(row))
 
 
 def default_device() -> str:
@@ -232,7 +176,7 @@ def default_device() -> str:
     return chosen
 
 
-def check_device_features(cfg) -> None:
+def check_device_features(cfg: LLMConfig) -> None:
     """GPU-only settings are accepted everywhere; on a CPU each either runs without them (with a warning)
     or is refused with the reason."""
     from mtp_core.loader import resolve_dtype
@@ -244,9 +188,8 @@ def check_device_features(cfg) -> None:
         if cfg.cuda_graph_config is not None:
             log.warning("CUDA graphs need an NVIDIA GPU and %s; running eagerly", why)
             cfg.cuda_graph_config = None
-        if cfg.moe_config.backend in GPU_MOE_BACKENDS:
-            log.warning("MoE backend %s needs an NVIDIA GPU and %s; using the PyTorch MoE",
-                        cfg.moe_config.backend, why)
+        if cfg.moe_config.backend in GPU_MOE_BACKENDS:       # compat.COMPAT: one MoE, the PyTorch one
+            log.warning("%s", warning_text(MOE_FALLBACK, value=cfg.moe_config.backend, reason=why))
     kv = cfg.kv_cache_config.dtype
     if kv in ("auto", "fp8"):
         return

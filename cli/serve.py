@@ -16,21 +16,19 @@ import logging
 import os
 import signal
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import typer
 
-from cli.common import build_llm_config, run_or_exit, setup_logging
-from cli.quickstart import quickstart_command
+from cli.common import build_llm_config, run_or_exit, setup_logging, warn_ignored_flags
+from cli.options import explicit_params, plain
+from cli.quickstart import REQUEST_FLAGS, quickstart_command
 
 log = logging.getLogger("mtp.cli")
 
 DEFAULT_MAX_REQUEST_BYTES = 16 * 1024 * 1024   # = mtp_core.serve.state.DEFAULT_MAX_REQUEST_BYTES (not imported:
 SERVE_PREFILL_CHUNK = 256                      # `mtp --help` must stay light); see docs/serving.md for 256
-# quickstart flags that belong to a request, not to the server
-PER_REQUEST = ("prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "apply_chat_template")
 
 
 def _serve_options() -> list[inspect.Parameter]:
@@ -62,21 +60,16 @@ def _serve_options() -> list[inspect.Parameter]:
     ]
 
 
-def _plain(v: Any) -> Any:
-    return v.value if isinstance(v, Enum) else v
-
-
 def serve_command(ctx: typer.Context, **flags: Any) -> None:
-    setup_logging(_plain(flags["log_level"]))
-    params = {k: _plain(v) for k, v in ctx.params.items()}
-    explicit = {name: params[name] for name in params
-                if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
-    run_or_exit(lambda: _run(params, explicit))
+    setup_logging(plain(flags["log_level"]))
+    params = {k: plain(v) for k, v in ctx.params.items()}
+    run_or_exit(lambda: _run(params, explicit_params(ctx)))
 
 
 def _build_signature() -> None:
+    """quickstart's options minus the request's (prompts, max_tokens, sampling: each request brings them)."""
     base = inspect.signature(quickstart_command, eval_str=True)
-    ps = [p for name, p in base.parameters.items() if name not in PER_REQUEST]
+    ps = [p for name, p in base.parameters.items() if name not in REQUEST_FLAGS]
     # serving interleaves long prompts with the running streams: chunked prefill is on by default here
     ps = [p.replace(default=typer.Option(True, "--enable_chunked_prefill/--disable_chunked_prefill",
                                          help="Prefill long prompts in chunks between decode steps (on in serve; "
@@ -114,8 +107,7 @@ def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
     from mtp_core.serve.app import REASONING_PARSERS, ServeOptions, build_app
     from mtp_core.serve.server import bind, serve
 
-    if p["trust_remote_code"]:
-        log.warning("--trust_remote_code is ignored: mtp never runs code from the model directory")
+    warn_ignored_flags(p)
     if p["reasoning_parser"] is not None and p["reasoning_parser"] not in REASONING_PARSERS:
         raise ValueError(f"--reasoning_parser {p['reasoning_parser']!r} is unknown; use "
                          f"{', '.join(REASONING_PARSERS)}")
@@ -129,10 +121,7 @@ def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
     origins = [o.strip() for o in (p["allowed_origins"] or "").split(",") if o.strip()]
     options = ServeOptions(api_key=p["api_key"], allowed_origins=origins, max_request_bytes=p["max_request_bytes"])
     options.validate()
-    full = dict(p)
-    full.update({k: None for k in ("prompt", "seed")}, max_tokens=1, temperature=0.0, top_k=0, top_p=1.0,
-                apply_chat_template=False)
-    cfg = build_llm_config(full, explicit)
+    cfg = build_llm_config(p, explicit)
     if cfg.enable_chunked_prefill and "max_num_tokens" not in explicit:
         k = cfg.speculative_config.max_draft_len if cfg.speculative_config else 0
         cfg.max_num_tokens = cfg.max_batch_size * (k + 1) + SERVE_PREFILL_CHUNK

@@ -1,8 +1,6 @@
-"""Configuration as plain dataclasses.
+"""`ModelConfig`: a DeepSeek-V3 `config.json` (Hugging Face field names), checked when it is read.
 
-`ModelConfig` mirrors a DeepSeek-V3 `config.json` (Hugging Face field names). The engine-side configs
-(`SpeculativeConfig`, `KvCacheConfig`, `LLMConfig`) mirror TensorRT-LLM's LLM-API objects of the same
-names; the CLI flags and the YAML file both fill these objects, nothing else.
+The engine's own settings (LLMConfig and its sections) are in engine.py.
 """
 from __future__ import annotations
 
@@ -11,10 +9,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
-
-# --------------------------------------------------------------------------------------------
-# Model config (config.json)
-# --------------------------------------------------------------------------------------------
 
 _REQUIRED_INT = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
@@ -201,141 +195,3 @@ def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
-
-
-# --------------------------------------------------------------------------------------------
-# Engine configs (TensorRT-LLM LLM-API names)
-# --------------------------------------------------------------------------------------------
-
-MTP_MODES = ("auto", "eagle", "vanilla")
-
-
-@dataclass
-class SpeculativeConfig:
-    decoding_type: str = "MTP"
-    num_nextn_predict_layers: int = 1          # K = max_draft_len
-    use_relaxed_acceptance_for_thinking: bool = False
-    relaxed_topk: int = 1
-    relaxed_delta: float = 0.0
-    use_mtp_vanilla: bool = False
-    mtp_mode: str = "auto"                     # auto | eagle | vanilla
-    # how many drafts a step verifies (mtp_core/speculative/policy.py): cost = 0..K chosen per step from
-    # measured step costs and each request's acceptance; fixed = K every step (before the policy)
-    draft_len_policy: str = "cost"
-    # explicit adaptive rules (mtp_core/speculative/adaptive.py); they bound the policy's choice
-    draft_confidence_threshold: float = 0.0    # stop a chain when the product of draft probabilities < this
-    draft_len_schedule: Optional[dict] = None  # {batch size: max drafts}, e.g. {1: 4, 4: 2, 16: 0}
-    acceptance_window: int = 0                 # steps in a request's window (0 = off)
-    acceptance_length_threshold: float = 0.0   # window AL below this: the request pauses drafting
-
-    @property
-    def max_draft_len(self) -> int:
-        return self.num_nextn_predict_layers
-
-    def resolved_mode(self, num_modules: int) -> str:
-        """auto: one module -> eagle, more -> vanilla (TensorRT-LLM's rule)."""
-        if self.use_mtp_vanilla:
-            return "vanilla"
-        if self.mtp_mode == "auto":
-            return "vanilla" if num_modules > 1 else "eagle"
-        return self.mtp_mode
-
-    def validate(self) -> None:
-        if str(self.decoding_type).upper() != "MTP":
-            raise ValueError(f"speculative_config.decoding_type {self.decoding_type!r} is not supported; use MTP")
-        if self.num_nextn_predict_layers < 1:
-            raise ValueError("speculative_config.num_nextn_predict_layers must be >= 1 "
-                             f"(got {self.num_nextn_predict_layers}); omit speculation for nextn=0")
-        if self.relaxed_topk < 1:
-            raise ValueError(f"speculative_config.relaxed_topk must be >= 1, got {self.relaxed_topk}")
-        if self.relaxed_delta < 0:
-            raise ValueError(f"speculative_config.relaxed_delta must be >= 0, got {self.relaxed_delta}")
-        if self.mtp_mode not in MTP_MODES:
-            raise ValueError(f"speculative_config.mtp_mode must be one of {', '.join(MTP_MODES)}, "
-                             f"got {self.mtp_mode!r}")
-        from mtp_core.speculative.adaptive import validate_adaptive
-        from mtp_core.speculative.policy import POLICIES
-        if self.draft_len_policy not in POLICIES:
-            raise ValueError(f"speculative_config.draft_len_policy must be one of {', '.join(POLICIES)} (cost: choose "
-                             f"0..K drafts per step from measured costs; fixed: K every step), got "
-                             f"{self.draft_len_policy!r}")
-        validate_adaptive(self)
-
-    @property
-    def adaptive(self) -> bool:
-        """Any adaptive draft-length option on (the number of drafts may then differ per row and step)."""
-        return bool(self.draft_confidence_threshold or self.draft_len_schedule or self.acceptance_window)
-
-
-@dataclass
-class KvCacheConfig:
-    free_gpu_memory_fraction: float = 0.9
-    tokens_per_block: int = 64
-    max_tokens: Optional[int] = None
-    dtype: str = "auto"
-    enable_block_reuse: bool = True       # prefix caching: full KV blocks outlive their request
-
-    def validate(self) -> None:
-        if not (0.0 < self.free_gpu_memory_fraction <= 1.0):
-            raise ValueError("kv_cache_config.free_gpu_memory_fraction must be in (0, 1], "
-                             f"got {self.free_gpu_memory_fraction}")
-        if self.tokens_per_block < 1:
-            raise ValueError(f"kv_cache_config.tokens_per_block must be >= 1, got {self.tokens_per_block}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"kv_cache_config.max_tokens must be >= 1, got {self.max_tokens}")
-        if self.dtype not in ("auto", "fp8", "float32", "bfloat16", "float16"):
-            raise ValueError(f"kv_cache_config.dtype must be auto or fp8, got {self.dtype!r}")
-
-
-@dataclass
-class CudaGraphConfig:
-    batch_sizes: Optional[list] = None
-    max_batch_size: int = 0
-    enable_padding: bool = False
-
-
-@dataclass
-class MoeConfig:
-    backend: str = "auto"
-
-
-@dataclass
-class LLMConfig:
-    """Everything the engine needs besides the checkpoint."""
-    model_dir: str = ""
-    dtype: str = "auto"                          # auto | float32 | bfloat16
-    max_batch_size: int = 8
-    max_num_tokens: int = 8192
-    max_seq_len: Optional[int] = None            # default: the model's max_position_embeddings
-    speculative_config: Optional[SpeculativeConfig] = None
-    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
-    cuda_graph_config: Optional[CudaGraphConfig] = None
-    moe_config: MoeConfig = field(default_factory=MoeConfig)
-    disable_overlap_scheduler: bool = False
-    # The overlap scheduler hides host work behind device compute; on a CPU both share the same cores and
-    # it measured slower (BENCHMARKS.md), so it runs there only when this is set (the tests set it).
-    overlap_scheduler_on_cpu: bool = False
-    # On a CPU with the native forward, a greedy decode step (plain, or MTP Eagle with strict acceptance) runs
-    # as one native call (engine/native_step.py); False runs every step through the general path (the
-    # reference the native step is tested against; env MTP_CORE_NATIVE_STEP=0 does the same)
-    native_step: bool = True
-    enable_chunked_prefill: bool = False
-    print_iter_log: bool = False
-    tensor_parallel_size: int = 1
-    moe_expert_parallel_size: int = 1
-    device: str = "cpu"
-    keep_quantized: Optional[bool] = None        # FP8/NVFP4 stay packed; None: on a CPU with the native kernels
-    num_threads: Optional[int] = None
-
-    def validate(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
-        if self.max_num_tokens < 1:
-            raise ValueError(f"max_num_tokens must be >= 1, got {self.max_num_tokens}")
-        if self.max_seq_len is not None and self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len must be >= 2, got {self.max_seq_len}")
-        if self.speculative_config is not None:
-            self.speculative_config.validate()
-        self.kv_cache_config.validate()

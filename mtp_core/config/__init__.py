@@ -1,0 +1,13 @@
+"""Configuration: the checkpoint's (ModelConfig) and the engine's (LLMConfig and its sections), one schema.
+
+schema.py says how a field is declared and checked, engine.py declares the engine's fields (their YAML keys
+and CLI flags with them), compat.py lists the settings kept only for compatibility, flags.py turns CLI flag
+values into an LLMConfig; the YAML loader is mtp_core/yaml_config.py.
+"""
+from .engine import (DRAFT_LEN_POLICIES, MTP_MODES, CudaGraphConfig, KvCacheConfig, LLMConfig, MoeConfig,
+                     SpeculativeConfig)
+from .model import ModelConfig, yarn_get_mscale
+from .schema import ConfigError
+
+__all__ = ["ConfigError", "CudaGraphConfig", "DRAFT_LEN_POLICIES", "KvCacheConfig", "LLMConfig", "MTP_MODES",
+           "ModelConfig", "MoeConfig", "SpeculativeConfig", "yarn_get_mscale"]
