@@ -33,7 +33,7 @@ def drafts_per_step(eng) -> list[list[list[int]]]:
 
     def recording():
         done = step()
-        log.append([list(s.drafts) for s in sorted(done, key=lambda s: s.request_id) if not s.is_finished])
+        log.append([list(s.mtp.drafts) for s in sorted(done, key=lambda s: s.request_id) if not s.is_finished])
         return done
     eng.step = recording
     return log

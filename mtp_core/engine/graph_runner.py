@@ -201,7 +201,7 @@ class StaticDecodeStep:
         K = self.K
         out = torch.cat([self.emitted, self.num_emitted[:, None], self.drafts], dim=1)[: len(rows)].cpu().tolist()
         for r, row in zip(rows, out):
-            r.seq.mtp_valid = r.start + row[K + 1]       # every row's MTP caches cover its new valid positions
+            r.seq.mtp.num_valid = r.start + row[K + 1]   # every row's MTP caches cover its new valid positions
         return [row[: row[K + 1]] for row in out], [row[K + 2:] for row in out]
 
 
@@ -228,7 +228,7 @@ class GraphRunner:
     def step_for(self, rows: list[ScheduledRow]) -> Optional[StaticDecodeStep]:
         """The static step that can run this batch, or None (it then runs eagerly)."""
         if not rows or any(r.is_prefill or not r.seq.params.greedy or len(r.token_ids) != self.K + 1
-                           or (self.K and r.seq.mtp_valid != r.start) for r in rows):
+                           or (self.K and r.seq.mtp.num_valid != r.start) for r in rows):
             return None
         fits = [b for b in self.steps if b >= len(rows) and (b == len(rows) or self.enable_padding)]
         return self.steps[min(fits)] if fits else None

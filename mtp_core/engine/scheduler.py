@@ -81,8 +81,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.is_prefilling or seq not in self.running:
                 continue
-            limit = self.policy.row_limit(seq, in_flight) if self.K else 0
-            drafts = [0] * limit if placeholder else seq.drafts[:limit]
+            limit = self.policy.row_limit(seq.mtp, in_flight) if self.K else 0
+            drafts = [0] * limit if placeholder else seq.mtp.drafts[:limit]
             if budget < len(drafts) + 1:
                 break
             end = seq.num_cached + len(drafts) + 1 + self.overshoot()
@@ -209,8 +209,8 @@ class Scheduler:
         if not self.blocks.enable_reuse or seq.status != Status.RUNNING:
             return
         # with MTP caches, a position is final only once its MTP entries are written too: a request that
-        # skipped drafting (its MTP caches lag, see speculative/adaptive.py) registers up to mtp_valid
-        valid = min(seq.num_cached, seq.mtp_valid) if self.reuse.mtp else seq.num_cached
+        # skipped drafting (its MTP caches lag, see speculative/backlog.py) registers up to seq.mtp.num_valid
+        valid = min(seq.num_cached, seq.mtp.num_valid) if self.reuse.mtp else seq.num_cached
         valid -= 0 if final else self.reuse.write_lag
         if valid < self.blocks.tokens_per_block * (seq.num_settled_blocks + 1):
             return

@@ -16,13 +16,16 @@ before it) and appends the chain (D1, g1) .. (D_{k-1}, g_{k-1}) at positions V .
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
 from mtp_core.engine.sequence import Sequence
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+
+log = logging.getLogger("mtp.engine")
 
 
 @dataclass
@@ -146,7 +149,7 @@ class VanillaDrafter:
         old = r.start - s                                   # positions taken from the stored window
         ids = r.seq.all_ids
         tokens = ids[s + 1: r.start + 1] + r.next_tokens if old else list(r.next_tokens)
-        hidden = r.hidden if not old else torch.cat([r.seq.window_hidden[-old:], r.hidden])
+        hidden = r.hidden if not old else torch.cat([r.seq.mtp.window_hidden[-old:], r.hidden])
         return s, tokens, hidden
 
     def propose(self, rows: list[DraftInput]) -> list[list[int]]:
@@ -184,5 +187,20 @@ class VanillaDrafter:
                 chain_tok[i].append(tok)
                 chain_hid[i].append(h)
         for r, (s, toks, hid) in zip(rows, base):
-            r.seq.window_hidden = hid[-self.num_draft_tokens:].clone()
+            r.seq.mtp.window_hidden = hid[-self.num_draft_tokens:].clone()
         return drafts
+
+
+def make_drafter(model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int, spec: Any
+                 ) -> Optional[Drafter]:
+    """The drafter a SpeculativeConfig asks for (None without one)."""
+    if not spec:
+        return None
+    n = model.num_mtp_modules
+    if n == 0:
+        raise ValueError("--spec_decode_algo MTP needs MTP modules, but the checkpoint has "
+                         "num_nextn_predict_layers = 0")
+    mode = spec.resolved_mode(n)
+    cls = VanillaDrafter if mode == "vanilla" else EagleDrafter
+    log.info("MTP %s drafting, max_draft_len=%d, %d module(s) in the checkpoint", mode, spec.max_draft_len, n)
+    return cls(model, caches, tokens_per_block, spec.max_draft_len, confidence_threshold=spec.draft_confidence_threshold)
