@@ -101,8 +101,6 @@ class Engine:
             fixed_counts=self.policy.policy == "fixed", overlap=overlap, injected_drafter=drafter is not None)
         # a static step's padded rows hold one block of the pool for good
         self.pool_tokens = (num_blocks - (self.graphs is not None)) * kv.tokens_per_block
-        self._requests: list[Sequence] = []     # requests not yet found finished: their statistics still change
-        self._finished_stats = SpecStats()      # the statistics of the requests found finished, summed
         self.grammar_factory: Optional[Callable[[], GrammarBackend]] = None   # set by LLM (it has the tokenizer)
         self.grammars: Optional[GrammarBackend] = None
 
@@ -159,7 +157,6 @@ class Engine:
             last = max((i for i, t in enumerate(prompt_ids) if t in (start, end)), default=-1)
             seq.in_thinking = last >= 0 and prompt_ids[last] == start
         self.scheduler.add(seq)
-        self._requests.append(seq)
         return seq
 
     def has_unfinished(self) -> bool:
@@ -171,19 +168,12 @@ class Engine:
 
     @property
     def stats(self) -> SpecStats:
-        """The speculative-decoding statistics of every request so far: each request's own (seq.stats), summed."""
-        self._count_finished()
-        total = SpecStats()
-        for s in (self._finished_stats, *(seq.stats for seq in self._requests)):
+        """The speculative-decoding statistics of every request so far: each request's own (seq.stats), summed
+        (the finished ones' by the scheduler when they finished)."""
+        total, sch = SpecStats(), self.scheduler
+        for s in (sch.finished_stats, *(q.stats for q in (*sch.running, *sch.waiting))):
             total.merge(s)
         return total
-
-    def _count_finished(self) -> None:
-        """Adds the statistics of the requests that finished to the total (a finished request records no more)."""
-        for seq in self._requests:
-            if seq.is_finished:
-                self._finished_stats.merge(seq.stats)
-        self._requests = [seq for seq in self._requests if not seq.is_finished]
 
     # ---- the step ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -263,8 +253,6 @@ class Engine:
                 seq.num_prefilled += len(r.token_ids)
             if emitted:
                 n_emitted = seq.append(emitted, self.eos_token_ids, self.think_ids, self.max_seq_len)
-                if seq.finish_reason is not None:
-                    self.scheduler.finish(seq)
                 if verified.logprobs is not None and verified.logprobs[n_row] is not None:
                     seq.logprobs.extend(verified.logprobs[n_row][:n_emitted])
                 proposed = len(r.token_ids) - 1 if not r.is_prefill else 0
@@ -272,6 +260,8 @@ class Engine:
                 if not r.is_prefill and self.drafter is not None:
                     seq.stats.record_decode(proposed)
                     self.policy.observe(seq.mtp, proposed, len(emitted) - 1, seq.stats)
+                if seq.finish_reason is not None:      # its statistics are complete: the scheduler sums them
+                    self.scheduler.finish(seq)
                 if seq.first_token_time is None:
                     seq.first_token_time = now
             valid = r.start + (len(r.token_ids) if r.is_prefill else len(emitted))
@@ -329,7 +319,6 @@ class Engine:
         rows = step.rows
         self.policy.record_step(rows, c0, c1, self.policy.clock())
         self.num_steps += 1
-        self._count_finished()
         if self.iter_log:
             ntok = sum(len(r.token_ids) for r in rows)
             acc = sum(len(t) - 1 for r, t in zip(rows, step.verified.tokens) if not r.is_prefill)

@@ -1,21 +1,20 @@
 """The decode step as one native call on the CPU (mtp_core::mtp_step, csrc/cpu/mtp_step_cpu.cpp): MTP Eagle,
 MTP Vanilla, or the plain greedy step of an engine without MTP.
 
-The CPU twin of the static (CUDA-graph) step (graph_runner.py), with the same contract (static_step.py).
-Inside the one call: the target forward over
-every row's [t, d_1..d_k], greedy strict verification, then for the rows that draft the MTP forwards (Eagle's
-forward 1 and chain, or Vanilla's K modules over the row's window), each forward the batch-invariant native
-forward; so the tokens are exactly the eager engine's, and Python does O(1) work per step instead of a
-forward, a logits call and a metadata build per draft.
+The CPU twin of the static (CUDA-graph) step, with the same contract (static_step.py). Inside the one
+call: the target forward over every row's [t, d_1..d_k], greedy strict verification, then for the rows that
+draft the MTP forwards (Eagle's forward 1 and chain, or Vanilla's K modules over the row's window), each
+forward the batch-invariant native forward; so the tokens are exactly the eager engine's, and Python does
+O(1) work per step instead of a forward, a logits call and a metadata build per draft.
 
-Rows may carry different numbers of drafts (adaptive draft length, the confidence gate inside the call). A row the policy gives 0 drafts runs no
-MTP forward: its MTP caches lag and its hidden states wait in seq.mtp.pending (speculative/backlog.py), as
-on the general path, so a step in which no row drafts costs what decoding without MTP costs. A lagging row
-that drafts again catches up inside the call (its pending states go in as its window). Out of scope (the
-step runs through the general path): prefill rows, sampled rows, relaxed acceptance in the thinking phase,
-injected drafters and the overlap scheduler. `target()` runs the target forward and the verification of a
-greedy batch in one call for the general path (rows whose MTP state the call cannot bring up to date) and
-hands the hidden states to its drafter.
+Rows may carry different numbers of drafts (adaptive draft length, the confidence gate inside the call).
+A row the policy gives 0 drafts runs no MTP forward: its MTP caches lag and its hidden states wait in
+seq.mtp.pending (speculative/backlog.py), as on the general path, so a step in which no row drafts costs
+what decoding without MTP costs. A lagging row that drafts again catches up inside the call (its pending
+states go in as its window). Out of scope (the step runs through the general path): prefill rows, sampled
+rows, relaxed acceptance in the thinking phase, injected drafters and the overlap scheduler. `target()`
+runs the target forward and the verification of a greedy batch in one call for the general path (rows
+whose MTP state the call cannot bring up to date) and hands the hidden states to its drafter.
 """
 from __future__ import annotations
 
@@ -42,7 +41,6 @@ class NativeStep:
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
         self.confidence = confidence                         # the confidence gate's threshold (0: off)
         self.num_replays = 0                                 # steps run whole by run()
-        self.num_targets = 0                                 # steps whose target + verification ran in target()
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
         """self when every row is a greedy strict decode row and every row that drafts has the stored states its
@@ -64,7 +62,6 @@ class NativeStep:
         """The general step's runner.execute + verify in one call, for can_verify(rows): (emitted tokens per row,
         the target's hidden states per row [n_row, H]), which the engine commits and drafts from as usual."""
         out, hidden, _ = self._call(rows, [0] * len(rows), -1)
-        self.num_targets += 1
         tokens = [row[1:1 + row[0]] for row in out]
         return tokens, list(hidden.split([len(r.token_ids) for r in rows]))
 

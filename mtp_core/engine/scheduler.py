@@ -24,6 +24,7 @@ from mtp_core.engine.sequence import Sequence, Status
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.prefix_cache import PrefixHit, ReusePolicy, extend_digests
 from mtp_core.speculative.policy import DraftLenPolicy
+from mtp_core.speculative.stats import SpecStats
 
 log = logging.getLogger("mtp.scheduler")
 
@@ -58,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.finished_stats = SpecStats()      # the statistics of every finished request, summed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -185,6 +187,7 @@ class Scheduler:
                 self.settle(seq, final=True)
         self.blocks.free(seq.block_table)
         seq.status = Status.FINISHED
+        self.finished_stats.merge(seq.stats)
 
     def abort(self, seq: Sequence) -> None:
         if seq.is_finished:

@@ -1,42 +1,247 @@
 """The fused decode step: the target forward, verification and the next drafts of a batch in one call.
 
-Two implementations, one contract:
-- graph_runner.GraphRunner: the step over fixed-size buffers, captured as a CUDA graph per batch size (run
-  eagerly over the same buffers without CUDA);
-- native_step.NativeStep: its CPU twin, the whole step as one native call (mtp_core::mtp_step).
+Two implementations, one contract: the static step here (fixed-size buffers, captured as a CUDA graph per
+batch size; run eagerly over the same buffers without CUDA), and its CPU twin native_step.NativeStep (the
+whole step as one native call, mtp_core::mtp_step). Both answer `step_for(rows)`: a step that can run this
+batch, or None (the batch then takes the engine's general path); its `run(rows)` returns (emitted tokens
+per row, next drafts per row) and brings every row's MTP state (seq.mtp) up to date; `num_replays` counts
+the steps run whole. A fused step drafts before the draft-length policy has seen what it emits, so it
+drafts a count of its own for every row (K, or the count the policy chose last); the engine cuts each
+row's drafts to the policy's choice once the step is committed. `make_static_steps` builds them,
+`run_fused` is the engine's one call.
 
-Both answer `step_for(rows)`: a step that can run this batch, or None (the batch then takes the engine's
-general path); its `run(rows)` returns (emitted tokens per row, next drafts per row) and brings every row's
-MTP state (seq.mtp) up to date; `num_replays` counts the steps run whole. A step drafts before the
-draft-length policy has seen what it emits, so it drafts a count of its own for every row (K, or the count
-the policy chose last); the engine cuts each row's drafts to the policy's choice once the step is committed.
+The static step: a pure-decode batch of B rows, each feeding [t, d_1..d_K] at positions start..start+K, runs as one
+function of fixed-size buffers, with no host sync anywhere inside:
+
+    target  = model([t, d_1..d_K])                      # writes main KV at start..start+K
+    m       = accepted drafts per row                   # greedy strict, or relaxed for thinking rows
+    emitted = [d_1..d_m, target argmax at m]            # n = m + 1 tokens, padded to K+1
+    g       = MTP(emitted, target hidden)               # Eagle forward 1 over all K+1 positions
+    D_1     = argmax head(g[m]);  D_j = MTP chain at start+m+j (j = 1..K-1)
+
+Forward 1 covers the fixed K+1 positions instead of only the m+1 newly valid ones; the entries past
+start+m are rewritten by the chain in this step or by the next step's forward 1 before anything reads
+them (each query only sees keys at or before its own position), so the MTP caches hold exactly what
+the eager drafter writes and eager and graph steps can alternate freely.
+
+Graphs are captured per batch size (cuda_graph_config.batch_sizes, default 1, 2, 4, 8, ... up to
+max_batch_size); a batch pads up to the nearest captured size with rows that read and write only a
+reserved scratch block. On a CPU the same function runs eagerly over the same buffers (that is what the
+CPU tests check against the regular step); on CUDA it is captured once and replayed.
+Out of scope (the step then runs eagerly): prefill rows, sampled rows (temperature > 0), MTP Vanilla,
+and models whose MoE layers cannot run without a host sync (large experts: see MoE.fuse_for_decode).
+Adaptive draft length: a batch whose rows do not all carry K drafts (ragged rows, a batch-size schedule
+or paused window below K) or that holds a row whose MTP caches lag (it skipped drafting) runs eagerly,
+step by step; the static step drafts K for every row and the engine cuts them to each row's limit.
+Confidence-gated drafting turns the static step off altogether (its chain would need a data-dependent
+length).
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Protocol
+from typing import Optional, Union
 
 import torch
 
 from mtp_core.config import LLMConfig
-from mtp_core.engine.graph_runner import GraphRunner, default_batch_sizes, static_step_unsupported
 from mtp_core.engine.native_step import NativeStep
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.kv_cache.block_manager import BlockManager
-from mtp_core.model import DeepseekV3ForCausalLM
+from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+from mtp_core.model.moe import MoE
+from mtp_core.speculative.verifier import relaxed_counted
 
-log = logging.getLogger("mtp.engine")
-
-
-class RunnableStep(Protocol):
-    def run(self, rows: list[ScheduledRow]) -> tuple[list[list[int]], list[list[int]]]: ...
+log = logging.getLogger("mtp.graphs")
 
 
-class FusedStep(Protocol):
-    num_replays: int
+def default_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, ... and max_batch_size itself."""
+    return [1 << i for i in range((max_batch_size - 1).bit_length())] + [max_batch_size]
 
-    def step_for(self, rows: list[ScheduledRow]) -> Optional[RunnableStep]: ...
+
+def static_step_unsupported(model: DeepseekV3ForCausalLM, mode: Optional[str], K: int,
+                            confidence_threshold: float = 0.0) -> Optional[str]:
+    """Why this model / drafting mode cannot run the static step (None when it can)."""
+    if K and mode != "eagle":
+        return "the static step drafts in MTP Eagle mode only (Vanilla runs eagerly)"
+    if K and confidence_threshold > 0:
+        return "confidence-gated drafting (draft_confidence_threshold > 0) stops chains per row; it runs eagerly"
+    for i, layer in enumerate(model.model.layers[: model.num_main_layers + (1 if K else 0)]):
+        mlp = layer.mlp
+        if hasattr(mlp, "experts") and getattr(mlp, "stacked", None) is None:
+            return f"layer {i}'s MoE has no static (dense) form; its experts are too large or quantized"
+    return None
+
+
+def verify_static(logits: torch.Tensor, drafts: torch.Tensor, thinking: torch.Tensor,
+                  relaxed: Optional[tuple[int, float]], offsets: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static step's verification, with no host sync; the same contract as verifier.py (strict, and
+    relaxed for thinking rows through the same `relaxed_counted`). logits [B, K+1, V], drafts [B, K],
+    thinking [B] bool -> (m accepted drafts [B], emitted [B, K+1]: d_1..d_m, the target's token at m,
+    then the target's choices past m, which are never emitted, only fed to forward 1's throwaway entries)."""
+    target = logits.argmax(-1)                                                  # [B, K+1]
+    match = drafts == target[:, :-1]                                            # [B, K]
+    if relaxed is not None:
+        counted = relaxed_counted(logits[:, :-1], *relaxed)                     # [B, K, V]
+        relaxed_match = counted.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)    # [B, K]
+        match = torch.where(thinking.unsqueeze(-1), relaxed_match, match)
+    m = match.int().cumprod(dim=-1).sum(-1)                                     # [B]
+    if offsets is None:
+        offsets = torch.arange(logits.shape[1], device=logits.device)
+    drafts_padded = torch.cat([drafts, target[:, -1:]], dim=1)                 # [B, K+1]
+    return m, torch.where(offsets[None, :] < m[:, None], drafts_padded, target)
+
+
+class StaticDecodeStep:
+    """Buffers and the static computation for one batch size B (see the module docstring)."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int, batch_size: int,
+                 max_blocks: int, tokens_per_block: int, scratch_block: int,
+                 relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
+        self.model, self.caches, self.K, self.B = model, caches, K, batch_size
+        self.bs, self.scratch, self.relaxed = tokens_per_block, scratch_block, relaxed
+        B, Q = batch_size, K + 1
+        # inputs
+        self.input_ids = torch.zeros(B, Q, dtype=torch.long, device=device)
+        self.start = torch.zeros(B, dtype=torch.long, device=device)
+        self.block_tables = torch.full((B, max_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.thinking = torch.zeros(B, dtype=torch.bool, device=device)
+        self.offsets = torch.arange(Q, device=device)
+        self.rows = torch.arange(B, device=device)
+        # outputs
+        self.emitted = torch.zeros(B, Q, dtype=torch.long, device=device)
+        self.num_emitted = torch.ones(B, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(B, K, dtype=torch.long, device=device)
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        # load() stages every input in one int64 host buffer (pinned on CUDA) and sends it with one
+        # asynchronous copy; the device then spreads it over the input buffers (int32 / bool casts included).
+        self._layout = (B * Q, B, B * max_blocks, B)                             # ids, start, tables, thinking
+        total = sum(self._layout)
+        pinned = device.type == "cuda"
+        self._host = torch.zeros(total, dtype=torch.long, pin_memory=pinned)
+        self._staged = torch.zeros(total, dtype=torch.long, device=device)
+
+    # ---- the static computation -------------------------------------------------------------
+    def _meta(self, positions: torch.Tensor) -> AttentionMetadata:
+        """positions [B, Q] -> metadata of a uniform step (slots looked up in the block tables on device)."""
+        tables = self.block_tables.long()
+        slots = tables.gather(1, positions // self.bs) * self.bs + positions % self.bs
+        return AttentionMetadata.uniform(positions.flatten(), slots.flatten(), self.block_tables,
+                                         (positions[:, -1] + 1).to(torch.int32))
+
+    def _verify(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return verify_static(logits, self.input_ids[:, 1:], self.thinking, self.relaxed, self.offsets)
+
+    def forward(self) -> None:
+        with MoE.dense_only():
+            self._forward()
+
+    def _forward(self) -> None:
+        model, caches, K = self.model, self.caches, self.K
+        positions = self.start[:, None] + self.offsets                          # [B, K+1]
+        meta = self._meta(positions)
+        hidden = model(self.input_ids.flatten(), meta, caches)                  # [B*(K+1), H]
+        logits = model.compute_logits(hidden).view(self.B, K + 1, -1)
+        m, emitted = self._verify(logits)
+        self.emitted.copy_(emitted)
+        self.num_emitted.copy_(m + 1)
+        if not K:
+            return
+        # Eagle forward 1 over every position: (x_{q+1}, h_q) entries, the valid ones are q <= start+m
+        g = model.mtp_forward(0, emitted.flatten(), hidden, meta, caches).view(self.B, K + 1, -1)
+        g = g[self.rows, m]                                                     # [B, H] at q = start+m
+        d = model.compute_logits(g).argmax(-1)
+        self.drafts[:, 0].copy_(d)
+        for j in range(1, K):
+            pos = (self.start + m + j)[:, None]                                 # [B, 1]
+            g = model.mtp_forward(0, d, g, self._meta(pos), caches)
+            d = model.compute_logits(g).argmax(-1)
+            self.drafts[:, j].copy_(d)
+
+    # ---- host side ---------------------------------------------------------------------------
+    def load(self, rows: list[ScheduledRow]) -> None:
+        """Copies a batch (<= B rows) into the input buffers; the rest become scratch rows.
+
+        One host-to-device copy per step, from a pinned buffer and non-blocking: the previous step's
+        staging buffer is free again because run() ended with a device-to-host copy (a stream sync)."""
+        Q, max_blocks = self.K + 1, self.block_tables.shape[1]
+        n_ids, n_start, n_tables, n_think = self._layout
+        flat = [0] * (n_ids + n_start) + [self.scratch] * n_tables + [0] * n_think     # scratch rows by default
+        o_start, o_tables, o_think = n_ids, n_ids + n_start, n_ids + n_start + n_tables
+        for b, r in enumerate(rows):
+            table = r.seq.block_table
+            if len(r.token_ids) != Q or len(table) > max_blocks:
+                raise ValueError(f"static step: a row brings {len(r.token_ids)} tokens and {len(table)} blocks, "
+                                 f"the buffers hold {Q} and at most {max_blocks}")
+            flat[b * Q:(b + 1) * Q] = r.token_ids
+            flat[o_start + b] = r.start
+            flat[o_tables + b * max_blocks:o_tables + b * max_blocks + len(table)] = table
+            flat[o_think + b] = int(r.seq.in_thinking)
+        self._host.copy_(torch.tensor(flat, dtype=torch.long))
+        self._staged.copy_(self._host, non_blocking=True)
+        parts = self._staged.split(self._layout)
+        self.input_ids.copy_(parts[0].view(self.B, Q))
+        self.start.copy_(parts[1])
+        self.block_tables.copy_(parts[2].view(self.B, max_blocks))     # int64 -> int32 on the device
+        self.thinking.copy_(parts[3] != 0)
+
+    def capture(self, pool=None) -> None:
+        """CUDA only: two warm-up runs on a side stream, then capture (the buffers hold scratch rows, so
+        capture-time writes land in the scratch block)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool), torch.inference_mode():
+            self.forward()
+
+    def run(self, rows: list[ScheduledRow]) -> tuple[list[list[int]], list[list[int]]]:
+        """-> (emitted tokens per row, next drafts per row), one device-to-host copy."""
+        self.load(rows)
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            with torch.inference_mode():
+                self.forward()
+        K = self.K
+        out = torch.cat([self.emitted, self.num_emitted[:, None], self.drafts], dim=1)[: len(rows)].cpu().tolist()
+        for r, row in zip(rows, out):
+            r.seq.mtp.num_valid = r.start + row[K + 1]   # every row's MTP caches cover its new valid positions
+        return [row[: row[K + 1]] for row in out], [row[K + 2:] for row in out]
+
+
+class GraphRunner:
+    """One StaticDecodeStep per captured batch size; picks the smallest that holds a batch."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int, batch_sizes: list[int],
+                 enable_padding: bool, max_blocks: int, tokens_per_block: int, scratch_block: int,
+                 relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
+        self.K, self.enable_padding = K, enable_padding
+        self.steps = {b: StaticDecodeStep(model, caches, K, b, max_blocks, tokens_per_block, scratch_block,
+                                          relaxed, device) for b in sorted(set(batch_sizes))}
+        self.num_replays = 0
+        if device.type == "cuda":
+            pool = None
+            for b in sorted(self.steps, reverse=True):        # largest first: smaller graphs reuse its pool
+                self.steps[b].capture(pool)
+                pool = self.steps[b].graph.pool()
+            log.info("captured CUDA graphs of the decode step for batch sizes %s", sorted(self.steps))
+        else:
+            log.info("static decode step for batch sizes %s (no CUDA: run eagerly, not captured)",
+                     sorted(self.steps))
+
+    def step_for(self, rows: list[ScheduledRow]) -> Optional[StaticDecodeStep]:
+        """The static step that can run this batch, or None (it then runs eagerly)."""
+        if not rows or any(r.is_prefill or not r.seq.params.greedy or len(r.token_ids) != self.K + 1
+                           or (self.K and r.seq.mtp.num_valid != r.start) for r in rows):
+            return None
+        fits = [b for b in self.steps if b >= len(rows) and (b == len(rows) or self.enable_padding)]
+        return self.steps[min(fits)] if fits else None
 
 
 def make_static_steps(model: DeepseekV3ForCausalLM, cfg: LLMConfig, caches: list[torch.Tensor], blocks: BlockManager,
@@ -52,7 +257,7 @@ def make_static_steps(model: DeepseekV3ForCausalLM, cfg: LLMConfig, caches: list
     graphs = None
     why = static_step_unsupported(model, mode, K, confidence) if cg is not None else None
     if why is not None:
-        log.warning("CUDA graphs off: %s", why)
+        logging.getLogger("mtp.engine").warning("CUDA graphs off: %s", why)
     elif cg is not None:
         scratch: list[int] = []
         blocks.reserve(scratch, 1)            # padded rows read and write only this block, forever
@@ -70,7 +275,7 @@ def make_static_steps(model: DeepseekV3ForCausalLM, cfg: LLMConfig, caches: list
     return graphs, native
 
 
-def run_fused(fused: Optional[FusedStep], rows: list[ScheduledRow]
+def run_fused(fused: Optional[Union[GraphRunner, NativeStep]], rows: list[ScheduledRow]
               ) -> Optional[tuple[list[list[int]], list[list[int]]]]:
     """(emitted tokens per row, next drafts per row) when the fused step can run this batch, else None."""
     step = fused.step_for(rows) if fused is not None else None

@@ -17,6 +17,7 @@ measurements. A catch-up (speculative/backlog.py) is measured apart, per lagging
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any, Optional
 
 RING = 9                   # samples per cost cell
@@ -33,19 +34,14 @@ class _Cell:
     median (a step on a shared machine is now and then delayed, in bursts, by other work), or the smallest
     of fewer than 3 samples. The mean, not a low quantile: a drafting step's own cost varies (the MTP
     forward covers the tokens each row accepted), and tokens per second follow its mean."""
-    __slots__ = ("samples", "next", "value")
+    __slots__ = ("samples", "value")
 
     def __init__(self) -> None:
-        self.samples: list[float] = []
-        self.next = 0
+        self.samples: deque[float] = deque(maxlen=RING)
         self.value = 0.0
 
     def add(self, x: float) -> None:
-        if len(self.samples) < RING:
-            self.samples.append(x)
-        else:
-            self.samples[self.next] = x
-            self.next = (self.next + 1) % RING
+        self.samples.append(x)
         s = sorted(self.samples)
         if len(s) < 3:
             self.value = s[0]

@@ -58,14 +58,13 @@ class _MTPRunner:
         ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=hidden.device)
         return self.model.mtp_forward(module, ids, hidden, meta, self.caches)
 
-    def draft(self, out_last: torch.Tensor) -> list[int]:
-        """[R, H] -> greedy draft token per row (drafts are always greedy)."""
-        return self.model.compute_logits(out_last).argmax(-1).tolist()
-
-    def draft_with_prob(self, out_last: torch.Tensor) -> tuple[list[int], list[float]]:
-        """[R, H] -> (greedy draft per row, the MTP head's probability of it)."""
-        logits = self.model.compute_logits(out_last).float()
-        p, d = torch.softmax(logits, dim=-1).max(-1)
+    def draft(self, out_last: torch.Tensor, with_prob: bool) -> tuple[list[int], Optional[list[float]]]:
+        """[R, H] -> (greedy draft token per row (drafts are always greedy), with_prob: the MTP head's
+        probability of it)."""
+        logits = self.model.compute_logits(out_last)
+        if not with_prob:
+            return logits.argmax(-1).tolist(), None
+        p, d = torch.softmax(logits.float(), dim=-1).max(-1)
         return d.tolist(), p.tolist()
 
 
@@ -110,7 +109,7 @@ class EagleDrafter:
         conf = {i: 1.0 for i in active}
         g = _last_rows(out, positions, active)                            # [R, H]
         for j in range(1, K + 1):
-            d, p = self.runner.draft_with_prob(g) if thr > 0 else (self.runner.draft(g), None)
+            d, p = self.runner.draft(g, thr > 0)
             keep: list[int] = []
             for n, (i, tok) in enumerate(zip(active, d)):
                 if p is not None:
@@ -177,7 +176,7 @@ class VanillaDrafter:
             if not active:
                 continue
             g = _last_rows(out, positions, active)
-            d, p = self.runner.draft_with_prob(g) if thr > 0 else (self.runner.draft(g), None)
+            d, p = self.runner.draft(g, thr > 0)
             for n, (i, tok, h) in enumerate(zip(active, d, g)):
                 if p is not None:
                     conf[i] *= p[n]
@@ -203,4 +202,5 @@ def make_drafter(model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], token
     mode = spec.resolved_mode(n)
     cls = VanillaDrafter if mode == "vanilla" else EagleDrafter
     log.info("MTP %s drafting, max_draft_len=%d, %d module(s) in the checkpoint", mode, spec.max_draft_len, n)
-    return cls(model, caches, tokens_per_block, spec.max_draft_len, confidence_threshold=spec.draft_confidence_threshold)
+    return cls(model, caches, tokens_per_block, spec.max_draft_len,
+               confidence_threshold=spec.draft_confidence_threshold)

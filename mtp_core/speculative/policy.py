@@ -46,6 +46,7 @@ short lists, O(B x K) per decision; no tensor op.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from mtp_core.speculative.acceptance import (GLOBAL_RELAX, PRIOR_ACCEPT, STALE, expected_tokens, learn, relaxed,
@@ -72,15 +73,13 @@ STICK = 0.02               # keep the previous count unless another promises thi
 REDECIDE = 4               # steps a decision for 0 drafts stands while the batch stays the same
 
 
+@dataclass
 class _Batch:
     """The rows of one decision: expected-token lists, grouped."""
-    __slots__ = ("size", "full", "other", "lagging")
-
-    def __init__(self) -> None:
-        self.size = 0
-        self.full: list[list[float]] = []                        # E of rows allowed the largest count, no lag
-        self.other: list[tuple[list[float], int]] = []           # (E, cap) of rows limited below it
-        self.lagging: list[tuple[list[float], int, int]] = []   # (E, lag, tokens left) of rows whose MTP lags
+    size: int
+    full: list[list[float]] = field(default_factory=list)                    # E of rows allowed the largest count
+    other: list[tuple[list[float], int]] = field(default_factory=list)       # (E, cap) of rows limited below it
+    lagging: list[tuple[list[float], int, int]] = field(default_factory=list)   # (E, lag, tokens left): MTP lags
 
 
 class DraftLenPolicy:
@@ -140,9 +139,7 @@ class DraftLenPolicy:
         self._pending = None
         self.num_steps += 1
         prev, self._last_k = self._last_k, None
-        cap_all = self.rules.batch_limit(in_flight)          # the explicit rules' limit (DraftPolicy.row_limit)
-        caps = [cap_all if r.needs_drafts and not r.seq.mtp.is_off and r.seq.mtp.pause_steps <= 0 else 0
-                for r in rows]
+        caps = [self.rules.row_limit(r.seq.mtp, in_flight) if r.needs_drafts else 0 for r in rows]   # explicit rules
         kmax = max(caps, default=0)
         if self.policy == "fixed" or kmax == 0:
             self._run_k, self._reuse = 0, None
@@ -201,8 +198,7 @@ class DraftLenPolicy:
             self._glob_seen, self._glob_expected = now, None
         glob = self._glob_expected or expected_tokens(self.accept, self.K)
         self._glob_expected = glob
-        batch = _Batch()
-        batch.size = B
+        batch = _Batch(B)
         for r, cap in zip(rows, caps):
             if not r.needs_drafts:
                 continue
