@@ -29,7 +29,6 @@ from mtp_core.engine.overlap import OverlapScheduler
 from mtp_core.engine.scheduler import ScheduledRow, Scheduler
 from mtp_core.engine.sequence import Sequence
 from mtp_core.engine.static_step import make_static_steps, run_fused
-from mtp_core.engine.verification import verify_rows
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, copy_block, plan_num_blocks
 from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
@@ -37,9 +36,10 @@ from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
 from mtp_core.speculative.drafter import DraftInput, Drafter, make_drafter
+from mtp_core.speculative.adaptive import DraftPolicy
 from mtp_core.speculative.policy import DraftLenPolicy
 from mtp_core.speculative.stats import SpecStats
-from mtp_core.speculative.verifier import VerifyResult
+from mtp_core.speculative.verifier import VerifyResult, verify_rows
 from mtp_core.structured import GrammarBackend
 
 log = logging.getLogger("mtp.engine")
@@ -109,7 +109,7 @@ class Engine:
         must choose the same counts, so measured (per-rank) costs cannot decide: fixed there."""
         spec, cfg = self.cfg.speculative_config, self.cfg
         if spec is None:
-            return DraftLenPolicy.from_spec(None, cfg.max_batch_size)
+            return DraftLenPolicy(0, policy="fixed")
         policy = spec.draft_len_policy
         if policy == "cost" and cfg.tensor_parallel_size * cfg.moe_expert_parallel_size > 1:
             log.warning("draft_len_policy cost chooses from this process's measured step times, which ranks do "
@@ -126,8 +126,8 @@ class Engine:
         # on a CPU the step's cost is the engine thread's CPU time: a shared machine's other load and idle
         # gaps between requests stay out of it; a GPU's work runs beside the thread, so wall time there
         clock = time.thread_time if torch.device(cfg.device).type == "cpu" else time.perf_counter
-        return DraftLenPolicy.from_spec(spec, cfg.max_batch_size, modules / max(self.model.num_main_layers, 1),
-                                        policy, clock)
+        return DraftLenPolicy(self.K, DraftPolicy.from_spec(spec, cfg.max_batch_size), policy,
+                              modules / max(self.model.num_main_layers, 1), clock)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
@@ -191,16 +191,19 @@ class Engine:
             drafts = self._propose(inputs, step)
             self._store_drafts(inputs, drafts)
         except BaseException:
-            # leave no half-done step behind: every sequence of this step is finished with "abort"
-            if self._overlap is not None:
-                self._overlap.prepared = None
-            for r in rows:
-                if not r.seq.is_finished:
-                    r.seq.finish_reason = "abort"
-                    self.scheduler.finish(r.seq, cache=False)
+            self._abort_step(rows)
             raise
         self._finish_step(step, t0, c0, c1)
         return [r.seq for r in rows]
+
+    def _abort_step(self, rows: list[ScheduledRow]) -> None:
+        """Leaves no half-done step behind: every sequence of a failed step is finished with "abort"."""
+        if self._overlap is not None:
+            self._overlap.prepared = None
+        for r in rows:
+            if not r.seq.is_finished:
+                r.seq.finish_reason = "abort"
+                self.scheduler.finish(r.seq, cache=False)
 
     def _schedule(self) -> tuple[list[ScheduledRow], Optional[AttentionMetadata]]:
         """The step's rows: prepared ahead by the overlap worker, or scheduled now (their attention metadata is

@@ -105,8 +105,6 @@ class DraftPolicy:
 
     @classmethod
     def from_spec(cls, spec: Any, max_batch_size: int) -> "DraftPolicy":
-        if spec is None:
-            return cls(0)
         return cls(spec.max_draft_len, parse_schedule(spec.draft_len_schedule), spec.acceptance_window,
                    spec.acceptance_length_threshold, max_batch_size)
 

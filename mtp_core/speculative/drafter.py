@@ -84,12 +84,15 @@ def _limit(r: DraftInput, K: int) -> int:
     return K if r.max_drafts is None else max(0, min(r.max_drafts, K))
 
 
-class EagleDrafter:
+class _MTPDrafter:
     def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int,
                  num_draft_tokens: int, confidence_threshold: float = 0.0) -> None:
         self.runner = _MTPRunner(model, caches, tokens_per_block)
         self.num_draft_tokens = num_draft_tokens
         self.confidence_threshold = confidence_threshold
+
+
+class EagleDrafter(_MTPDrafter):
 
     def propose(self, rows: list[DraftInput]) -> list[list[int]]:
         """Up to K drafts per row: fewer where the row's max_drafts says so, or where the running product of
@@ -129,16 +132,14 @@ class EagleDrafter:
         return drafts
 
 
-class VanillaDrafter:
+class VanillaDrafter(_MTPDrafter):
     def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], tokens_per_block: int,
                  num_draft_tokens: int, confidence_threshold: float = 0.0) -> None:
         if num_draft_tokens > model.num_mtp_modules:
             raise ValueError(f"MTP Vanilla needs one module per draft token: max_draft_len={num_draft_tokens} but "
                              f"the checkpoint has {model.num_mtp_modules} MTP module(s); lower "
                              f"--spec_decode_max_draft_len or use --mtp_mode eagle")
-        self.runner = _MTPRunner(model, caches, tokens_per_block)
-        self.num_draft_tokens = num_draft_tokens
-        self.confidence_threshold = confidence_threshold
+        super().__init__(model, caches, tokens_per_block, num_draft_tokens, confidence_threshold)
 
     def _window_inputs(self, r: DraftInput) -> tuple[int, list[int], torch.Tensor]:
         """Positions [s, V) covering the request's window and the newly valid positions."""

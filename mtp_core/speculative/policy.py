@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from mtp_core.speculative.acceptance import (GLOBAL_RELAX, PRIOR_ACCEPT, STALE, expected_tokens, learn, relaxed,
                                              request_expected)
@@ -114,14 +114,6 @@ class DraftLenPolicy:
         self._prev_verified: Optional[int] = None      # drafts the previous step verified, if decode-only ...
         self._run_verified = 0                         # ... and how many steps in a row verified as many
         self._warmup = WARMUP_STEPS
-
-    @classmethod
-    def from_spec(cls, spec: Any, max_batch_size: int, mtp_cost_ratio: float = 0.25,
-                  policy: Optional[str] = None, clock: Callable[[], float] = time.perf_counter) -> "DraftLenPolicy":
-        if spec is None:
-            return cls(0, DraftPolicy(0), "fixed")
-        return cls(spec.max_draft_len, DraftPolicy.from_spec(spec, max_batch_size),
-                   policy or spec.draft_len_policy, mtp_cost_ratio, clock)
 
     # ---- the scheduler's view ------------------------------------------------------------
     def in_flight(self, num_running: int, num_waiting: int) -> int:
