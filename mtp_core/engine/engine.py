@@ -11,7 +11,8 @@ Who does what: scheduler.py places the rows (overlap.py prepares the next step o
 this one drafts); a fused step (static_step.py: a CUDA graph, or one native call on a CPU) runs the forward,
 the verification and the drafting of a batch at once, otherwise model_runner.py and the verifier do;
 speculative/policy.py chooses the draft counts, speculative/backlog.py runs the drafter. Each request
-records its statistics in seq.stats; Engine.stats sums them.
+records its statistics once, in seq.stats (the commit); Engine.stats sums them when read, the finished
+requests' from the total the scheduler keeps.
 """
 from __future__ import annotations
 
@@ -179,6 +180,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Runs one engine step; returns the sequences that made progress (finished ones included)."""
+        # t0 for the iteration log; c0, c1 on the policy's clock: the step's start and the end of its commit
         t0, c0 = time.perf_counter(), self.policy.clock()
         rows, meta = self._schedule()
         if not rows:
