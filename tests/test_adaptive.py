@@ -18,8 +18,8 @@ import torch
 
 from conftest import PROMPTS, THINK_IDS, OracleDrafter, greedy, llm_config, make_engine, reference, run_to_end
 from mtp_core.config import CudaGraphConfig, SpeculativeConfig
-from mtp_core.engine import engine as engine_mod
 from mtp_core.sampling import SamplingParams
+from mtp_core.speculative import backlog
 from mtp_core.speculative.adaptive import DraftPolicy, parse_schedule
 from mtp_core.speculative.stats import SpecStats
 
@@ -150,8 +150,8 @@ def test_paused_requests_catch_up_their_mtp_caches(models, ckpt, mode):
     lagged = resumed = False
     for _ in range(40):
         eng.step()
-        lagged |= any(s.mtp_valid < s.num_cached for s in seqs)
-        if lagged and all(s.mtp_valid == s.num_cached and s.pause_steps == 0 for s in seqs) and \
+        lagged |= any(s.mtp.num_valid < s.num_cached for s in seqs)
+        if lagged and all(s.mtp.num_valid == s.num_cached and s.mtp.pause_steps == 0 for s in seqs) and \
                 eng.stats.num_window_pauses >= 2:
             resumed = True
             break
@@ -162,13 +162,13 @@ def test_paused_requests_catch_up_their_mtp_caches(models, ckpt, mode):
 
 
 def test_mtp_lag_beyond_the_cap_switches_drafting_off(models, monkeypatch):
-    monkeypatch.setattr(engine_mod, "MAX_MTP_LAG", 3)
+    monkeypatch.setattr(backlog, "MAX_MTP_LAG", 3)
     model = models["tiny1"]
     eng = make_engine(model, nextn=2, mode="eagle", max_batch_size=4, spec=dict(draft_len_schedule={1: 2, 3: 0}))
     prompts = PROMPTS[1:4]
     seqs = run_to_end(eng, prompts, [greedy(6), greedy(14), greedy(16)])
     assert [s.output_ids for s in seqs] == [reference(model, p, n) for p, n in zip(prompts, (6, 14, 16))]
-    assert all(s.spec_off for s in seqs[1:]) and seqs[1].mtp_pending is None
+    assert all(s.mtp.is_off for s in seqs[1:]) and seqs[1].mtp.pending is None
 
 
 # ---- policy rules ----------------------------------------------------------------------------
@@ -177,8 +177,7 @@ class _Seq:
     def __init__(self) -> None:
         self.accept_window: list[int] = []
         self.pause_steps = 0
-        self.num_pauses = 0
-        self.spec_off = False
+        self.is_off = False
 
 
 def test_schedule_lookup():
@@ -202,7 +201,7 @@ def test_acceptance_window_pauses_then_probes_again():
         pol.observe(seq, proposed if limits[-1] else 0, accepted if limits[-1] else 0, st)
     # ALs 4, 1, (no draft: not counted), 2 -> mean 7/3 >= 2; then 1 -> (1, 2, 1) mean 4/3 < 2: pause 3 steps
     assert limits == [3, 3, 3, 3, 3, 0, 0, 0, 3, 3, 3, 3]
-    assert st.num_window_pauses == 1 and seq.num_pauses == 1
+    assert st.num_window_pauses == 1
     assert seq.accept_window == [3, 4, 1]          # restarted empty after the pause: ALs 1, 3, 4, 1 -> last 3
 
 
@@ -218,7 +217,7 @@ def test_window_pauses_through_the_engine_with_an_always_wrong_drafter(models):
         eng.step()
     assert seq.output_ids == reference(model, prompt, 13)
     # 12 decode steps: draft, draft, pause, pause, draft, draft, pause, pause, ...
-    assert seq.stats.drafts_per_step == [6, 0, 6] and seq.num_pauses == 3
+    assert seq.stats.drafts_per_step == [6, 0, 6] and seq.stats.num_window_pauses == 3
 
 
 # ---- static (CUDA-graph) step ----------------------------------------------------------------

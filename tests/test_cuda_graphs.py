@@ -1,4 +1,4 @@
-"""The static decode step behind cuda_graph_config (mtp_core/engine/graph_runner.py), run eagerly on the
+"""The static decode step behind cuda_graph_config (mtp_core/engine/static_step.py), run eagerly on the
 CPU over its static buffers: target forward, verification and the K Eagle draft forwards with fixed
 shapes, padded batches and a scratch block. It must give token-for-token the eager engine's output.
 Capture and replay on a GPU: tests/test_kernels_gpu.py (marked gpu)."""
@@ -9,7 +9,7 @@ import torch
 
 from conftest import PROMPTS, THINK_IDS, greedy, make_engine, reference, run_to_end
 from mtp_core.config import CudaGraphConfig
-from mtp_core.engine.graph_runner import default_batch_sizes
+from mtp_core.engine.static_step import default_batch_sizes
 from mtp_core.sampling import SamplingParams
 
 torch.set_num_threads(1)
@@ -33,7 +33,7 @@ def drafts_per_step(eng) -> list[list[list[int]]]:
 
     def recording():
         done = step()
-        log.append([list(s.drafts) for s in sorted(done, key=lambda s: s.request_id) if not s.is_finished])
+        log.append([list(s.mtp.drafts) for s in sorted(done, key=lambda s: s.request_id) if not s.is_finished])
         return done
     eng.step = recording
     return log

@@ -210,7 +210,7 @@ def _dense_hidden(model, ids: list[int]) -> torch.Tensor:
 def _window_tokens(seq) -> list[int]:
     """The tokens at the positions whose main hidden states the Vanilla window holds (the last valid ones)."""
     nc = seq.num_cached
-    return seq.all_ids[nc - len(seq.window_hidden):nc]
+    return seq.all_ids[nc - len(seq.mtp.window_hidden):nc]
 
 
 @pytest.mark.parametrize("K,accepted,window", [
@@ -231,13 +231,13 @@ def test_vanilla_window_table(tiny3_model, K, accepted, window):
     eng.step()                                                        # prefill
     assert _window_tokens(seq) == prompt[-K:]                         # K=1: [9], K=3: [7, 8, 9]
     dense = _dense_hidden(model, prompt)
-    assert torch.allclose(seq.window_hidden, dense[-K:], atol=1e-5)
+    assert torch.allclose(seq.mtp.window_hidden, dense[-K:], atol=1e-5)
     eng.step()                                                        # decode with `accepted` right drafts
     assert seq.num_cached == len(prompt) + accepted + 1
     assert _window_tokens(seq) == [name[t] if isinstance(t, str) else t for t in window]
     nc = seq.num_cached
     dense = _dense_hidden(model, seq.all_ids[:nc])
-    assert torch.allclose(seq.window_hidden, dense[nc - K:nc], atol=1e-5)
+    assert torch.allclose(seq.mtp.window_hidden, dense[nc - K:nc], atol=1e-5)
 
 
 # ---- rewind: every cache equals a fresh recompute of the accepted prefix ----------------------

@@ -151,7 +151,7 @@ def test_native_vanilla_step_refuses_short_windows(models) -> None:
 
 def test_native_step_lets_rows_without_drafts_lag_and_catches_them_up(models) -> None:
     """Rows given 0 drafts run no MTP forward inside the call (their caches lag, their hidden states wait in
-    mtp_pending) and catch up inside a later call: the output stays plain greedy, for both drafting modes."""
+    seq.mtp.pending) and catch up inside a later call: the output stays plain greedy, for both drafting modes."""
     from test_mtp_decoding import _check_caches
 
     model = models["tiny3"]
@@ -165,7 +165,7 @@ def test_native_step_lets_rows_without_drafts_lag_and_catches_them_up(models) ->
             for r in rows:
                 n = pattern[r.seq.request_id] = pattern.get(r.seq.request_id, -1) + 1
                 k = [0, 0, 3, 0, 2, 3, 1][(n + r.seq.request_id) % 7] if r.needs_drafts else 0
-                r.seq.draft_len = k
+                r.seq.mtp.draft_len = k
                 out.append(k)
             return out
         eng.policy.choose = choose
@@ -173,7 +173,7 @@ def test_native_step_lets_rows_without_drafts_lag_and_catches_them_up(models) ->
         run = eng.native_step.run
 
         def recording(rows, run=run):
-            lagged.append(sum(1 for r in rows if r.seq.mtp_valid < r.start and eng.native_step._limit(r)))
+            lagged.append(sum(1 for r in rows if r.seq.mtp.num_valid < r.start and eng.native_step._limit(r)))
             return run(rows)
         eng.native_step.run = recording
         seqs = [eng.add_request(p, greedy(MAX_TOKENS)) for p in prompts]
@@ -182,7 +182,7 @@ def test_native_step_lets_rows_without_drafts_lag_and_catches_them_up(models) ->
             n = len(lagged)
             eng.step()
             if len(lagged) > n and lagged[-1]:        # a native step caught rows up: their caches are exact
-                up = [s for s in seqs if not s.is_finished and s.mtp_valid == s.num_cached]
+                up = [s for s in seqs if not s.is_finished and s.mtp.num_valid == s.num_cached]
                 _check_caches(model, eng, up, mode, 3)
                 checked += len(up)
         assert [s.output_ids for s in seqs] == [reference(model, p, MAX_TOKENS) for p in prompts], mode

@@ -20,9 +20,11 @@ import torch
 
 from conftest import PROMPTS, greedy, make_engine, reference, run_to_end
 from mtp_core.sampling import SamplingParams
-from mtp_core.speculative import policy as pol
+from mtp_core.speculative import acceptance, costs, policy as pol
+from mtp_core.speculative.acceptance import expected_tokens
 from mtp_core.speculative.adaptive import DraftPolicy
-from mtp_core.speculative.policy import DraftLenPolicy, StepCosts, _estimate, bucket
+from mtp_core.speculative.costs import StepCosts, _estimate, bucket
+from mtp_core.speculative.policy import DraftLenPolicy
 
 torch.set_num_threads(1)
 
@@ -40,7 +42,7 @@ def cells(*values):
         if v is None:
             out.append(None)
         else:
-            c = pol._Cell()
+            c = costs._Cell()
             for x in v:
                 c.add(x)
             out.append(c)
@@ -66,7 +68,7 @@ def test_estimate_table(samples, drafter, want):
 
 
 def test_cell_value_is_a_trimmed_mean_of_the_last_nine_samples():
-    c = pol._Cell()
+    c = costs._Cell()
     for x, want in [(5.0, 5.0), (3.0, 3.0),             # fewer than 3 samples: the smallest
                     (9.0, 4.0),                         # 3 5 9: median 5, 9 > 7.5 dropped: mean of 3, 5
                     (4.0, 4.0),                         # 3 4 5 9: median 5 (upper middle), 9 dropped: (3+4+5)/3
@@ -75,7 +77,7 @@ def test_cell_value_is_a_trimmed_mean_of_the_last_nine_samples():
         assert c.value == pytest.approx(want)
     for x in [2.0] * 9:                                 # the ring forgets the old ones
         c.add(x)
-    assert c.value == 2.0 and len(c.samples) == pol.RING
+    assert c.value == 2.0 and len(c.samples) == costs.RING
 
 
 def test_step_costs_are_per_row_and_a_new_bucket_borrows_the_nearest():
@@ -98,13 +100,13 @@ def test_step_costs_are_per_row_and_a_new_bucket_borrows_the_nearest():
 
 def seq(accept=None, lag=0, left=100, K=3):
     """A request as the policy sees it. lag > 0: its MTP caches lag that many positions."""
-    s = SimpleNamespace(spec_off=False, pause_steps=0, draft_len=0, accept_est=None, expected=None, mtp_valid=100,
-                        accept_step=0, accept_n=0,
-                        mtp_pending=[object()] if lag else None, params=SimpleNamespace(max_tokens=left),
-                        output_ids=[], prefill_target=10, accept_window=[], num_pauses=0)
+    s = SimpleNamespace(mtp=SimpleNamespace(is_off=False, pause_steps=0, draft_len=0, accept_est=None, expected=None,
+                                            num_valid=100, accept_step=0, accept_n=0,
+                                            pending=[object()] if lag else None, accept_window=[]),
+                        params=SimpleNamespace(max_tokens=left), output_ids=[], prefill_target=10)
     if accept is not None:
-        s.accept_est = list(accept)
-        s.expected = DraftLenPolicy._expected(s.accept_est, K)
+        s.mtp.accept_est = list(accept)
+        s.mtp.expected = expected_tokens(s.mtp.accept_est, K)
     return s
 
 
@@ -135,7 +137,7 @@ def test_decision_table():
     batch 16: 0.13, 0.26, 0.38, 0.51 -> 7.69, 7.31, 7.13, 6.74: 0."""
     p = policy_with(COSTS)
     rows1 = [row(seq([0.9] * 3))]
-    assert p.choose(rows1, 1) == [3] and rows1[0].seq.draft_len == 3
+    assert p.choose(rows1, 1) == [3] and rows1[0].seq.mtp.draft_len == 3
     p = policy_with(COSTS)
     rows16 = [row(seq([0.9] * 3)) for _ in range(16)]
     assert p.choose(rows16, 16) == [0] * 16
@@ -162,12 +164,12 @@ def test_explicit_rules_bound_the_choice():
     rules = DraftPolicy(3, {1: 2}, window=2, al_threshold=1.5)
     p = policy_with(COSTS, rules=rules)
     paused = seq([0.9] * 3)
-    paused.pause_steps = 2
+    paused.mtp.pause_steps = 2
     assert p.choose([row(seq([0.9] * 3)), row(paused)], 1) == [2, 0]
     # the scheduler's view: the explicit limit now, and never more than chosen
     s = seq([0.9] * 3)
-    s.draft_len = 1
-    assert p.row_limit(s, 1) == 1 and p.row_limit(s, 5) == 1
+    s.mtp.draft_len = 1
+    assert p.row_limit(s.mtp, 1) == 1 and p.row_limit(s.mtp, 5) == 1
     fixed = DraftLenPolicy(3, DraftPolicy(3, {1: 3, 4: 1}), "fixed")
     rows = [row(seq()) for _ in range(4)]
     assert fixed.choose(rows, 4) == [1] * 4 and fixed.choose(rows[:1], 1) == [3]
@@ -196,9 +198,10 @@ def test_observe_updates_acceptance_per_position():
     counts as 4 observations); engine-wide max(0.05, 1/(n+8)), from 0.8. A step with 3 drafts and 1
     accepted observes position 1 accepted, position 2 rejected, position 3 not at all (it moves 10% of the
     way to the engine-wide estimate)."""
-    assert (pol.ACCEPT_WEIGHT, pol.GLOBAL_WEIGHT, pol.RELAX, pol.PRIOR_ACCEPT, pol.PRIOR_WEIGHT) == (0.1, 0.05, 0.1, 0.8, 4)
+    assert (acceptance.ACCEPT_WEIGHT, acceptance.GLOBAL_WEIGHT, acceptance.RELAX, acceptance.PRIOR_ACCEPT,
+            acceptance.PRIOR_WEIGHT) == (0.1, 0.05, 0.1, 0.8, 4)
     p = DraftLenPolicy(3, DraftPolicy(3), "cost")
-    s = seq()
+    s = seq().mtp
     p.observe(s, 3, 1)                   # weight 1/5: .8 -> .84 (accepted), .8 -> .64 (rejected), .8 stays
     assert s.accept_est == pytest.approx([0.84, 0.64, 0.8])
     assert p.accept == pytest.approx([0.8 + 0.2 / 9, 0.8 - 0.8 / 9, 0.8])          # weight 1/9
@@ -215,7 +218,7 @@ def test_observe_updates_acceptance_per_position():
     p.observe(s, 0, 0)                                   # nothing verified: nothing learnt
     assert s.accept_est == pytest.approx(a)
     fixed = DraftLenPolicy(3, DraftPolicy(3), "fixed")
-    s2 = seq()
+    s2 = seq().mtp
     fixed.observe(s2, 3, 3)
     assert s2.accept_est is None                          # the fixed policy keeps no estimates
 
@@ -255,9 +258,9 @@ class SimEngine:
 
     def new_request(self):
         s = seq(left=self.max_tokens)
-        s.accept_est = s.expected = None
-        s.num_cached = s.mtp_valid = 101
-        s.draft_len = 0
+        s.mtp.accept_est = s.mtp.expected = None
+        s.num_cached = s.mtp.num_valid = 101
+        s.mtp.draft_len = 0
         return s
 
     def noisy(self, ms):
@@ -266,7 +269,7 @@ class SimEngine:
         return 1e-3 * (4 * x if self.draws % 25 == 12 else x)
 
     def step(self, i):
-        verify = [s.draft_len for s in self.seqs]
+        verify = [s.mtp.draft_len for s in self.seqs]
         c0 = self.clock
         self.clock += self.noisy(sum(self.target(1, k) for k in verify))
         inputs = []
@@ -275,23 +278,23 @@ class SimEngine:
             while acc < k and self.rng.random() < self.accept(i):
                 acc += 1
             self.tokens += acc + 1
-            self.p.observe(s, k, acc)
+            self.p.observe(s.mtp, k, acc)
             inputs.append(SimpleNamespace(seq=s, needs_drafts=True, start=s.num_cached, next_tokens=[0] * (acc + 1)))
             s.num_cached += acc + 1
             s.output_ids = s.output_ids + [0] * (acc + 1)
-            s.mtp_pending = [0] if s.mtp_valid < inputs[-1].start else None
+            s.mtp.pending = [0] if s.mtp.num_valid < inputs[-1].start else None
         for n, s in enumerate(self.seqs):               # finished: a new request takes the row
             if len(s.output_ids) >= self.max_tokens:
                 self.seqs[n] = self.new_request()
                 inputs[n] = SimpleNamespace(seq=self.seqs[n], needs_drafts=True, start=100, next_tokens=[0])
         c1 = self.clock
         limits = self.p.choose(inputs, self.B)
-        lag = sum(inp.start - s.mtp_valid for inp, s, n in zip(inputs, self.seqs, limits) if n and s.mtp_pending)
+        lag = sum(inp.start - s.mtp.num_valid for inp, s, n in zip(inputs, self.seqs, limits) if n and s.mtp.pending)
         k = max(limits)
         self.clock += self.noisy(sum(self.draft(1, n) for n in limits)) + 1e-3 * self.catchup_ms * lag
         for s, n in zip(self.seqs, limits):
             if n:
-                s.mtp_valid = s.num_cached
+                s.mtp.num_valid = s.num_cached
         self.p.record_step([SimpleNamespace(is_prefill=False, token_ids=[0] * (v + 1)) for v in verify],
                            c0, c1, self.clock)
         self.chosen.append(k)
@@ -315,7 +318,7 @@ def fixed_sim(B, k, target, draft, accept, seed, steps):
     """The same simulated engine and noise with every row at k drafts (the fixed policy)."""
     sim = SimEngine(DraftLenPolicy(3, DraftPolicy(3, {1: k}), "fixed"), B, target, draft, accept, seed=seed)
     for s in sim.seqs:
-        s.draft_len = k
+        s.mtp.draft_len = k
     return sim.run(steps)
 
 
@@ -409,9 +412,9 @@ def test_policy_decisions_are_lossless_batched(models, ckpt, mode, K):
     while eng.has_unfinished():
         eng.step()
         for s in seqs:
-            if s.mtp_valid < s.num_cached:
+            if s.mtp.num_valid < s.num_cached:
                 lagged.add(s.request_id)
-            elif s.request_id in lagged and s.drafts:
+            elif s.request_id in lagged and s.mtp.drafts:
                 resumed.add(s.request_id)
     for p, s, sp in zip(PROMPTS, seqs, params):
         assert s.output_ids == reference(model, p, sp.max_tokens), f"prompt of length {len(p)}"
@@ -441,8 +444,8 @@ def test_caches_equal_a_recompute_after_k0_steps_and_a_catch_up(models, ckpt, mo
     lagged = False
     for _ in range(7):
         eng.step()
-        lagged |= any(s.mtp_valid < s.num_cached for s in seqs)
-    assert lagged and all(s.mtp_valid == s.num_cached for s in seqs)
+        lagged |= any(s.mtp.num_valid < s.num_cached for s in seqs)
+    assert lagged and all(s.mtp.num_valid == s.num_cached for s in seqs)
     _check_caches(model, eng, seqs, mode, K)
     for p, s in zip((PROMPTS[2], PROMPTS[4]), seqs):
         assert s.output_ids == reference(model, p, 40)[: len(s.output_ids)]

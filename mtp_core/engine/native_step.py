@@ -1,22 +1,20 @@
 """The decode step as one native call on the CPU (mtp_core::mtp_step, csrc/cpu/mtp_step_cpu.cpp): MTP Eagle,
 MTP Vanilla, or the plain greedy step of an engine without MTP.
 
-The CPU twin of the static (CUDA-graph) step (graph_runner.py), with the same contract and the same engine
-hook: `step_for(rows)` says whether this batch can take it, `run(rows)` returns (emitted tokens per row,
-next drafts per row) and brings the rows' MTP state up to date. Inside the one call: the target forward over
-every row's [t, d_1..d_k], greedy strict verification, then for the rows that draft the MTP forwards (Eagle's
-forward 1 and chain, or Vanilla's K modules over the row's window), each forward the batch-invariant native
-forward; so the tokens are exactly the eager engine's, and Python does O(1) work per step instead of a
-forward, a logits call and a metadata build per draft.
+The CPU twin of the static (CUDA-graph) step, with the same contract (static_step.py). Inside the one
+call: the target forward over every row's [t, d_1..d_k], greedy strict verification, then for the rows that
+draft the MTP forwards (Eagle's forward 1 and chain, or Vanilla's K modules over the row's window), each
+forward the batch-invariant native forward; so the tokens are exactly the eager engine's, and Python does
+O(1) work per step instead of a forward, a logits call and a metadata build per draft.
 
-Rows may carry different numbers of drafts (adaptive draft length, the confidence gate inside the call). A row the policy gives 0 drafts runs no
-MTP forward: its MTP caches lag and its hidden states wait in seq.mtp_pending (speculative/adaptive.py), as
-on the general path, so a step in which no row drafts costs what decoding without MTP costs. A lagging row
-that drafts again catches up inside the call (its pending states go in as its window). Out of scope (the
-step runs through the general path): prefill rows, sampled rows, relaxed acceptance in the thinking phase,
-injected drafters and the overlap scheduler. `target()` runs the target forward and the verification of a
-greedy batch in one call for the general path (rows whose MTP state the call cannot bring up to date) and
-hands the hidden states to its drafter.
+Rows may carry different numbers of drafts (adaptive draft length, the confidence gate inside the call).
+A row the policy gives 0 drafts runs no MTP forward: its MTP caches lag and its hidden states wait in
+seq.mtp.pending (speculative/backlog.py), as on the general path, so a step in which no row drafts costs
+what decoding without MTP costs. A lagging row that drafts again catches up inside the call (its pending
+states go in as its window). Out of scope (the step runs through the general path): prefill rows, sampled
+rows, relaxed acceptance in the thinking phase, injected drafters and the overlap scheduler. `target()`
+runs the target forward and the verification of a greedy batch in one call for the general path (rows
+whose MTP state the call cannot bring up to date) and hands the hidden states to its drafter.
 """
 from __future__ import annotations
 
@@ -27,7 +25,8 @@ import torch
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.model.native_decode import NativeDecoder
-from mtp_core.speculative.adaptive import MAX_MTP_LAG
+from mtp_core.speculative import backlog
+from mtp_core.speculative.mtp_state import MTPState
 
 
 class NativeStep:
@@ -43,7 +42,6 @@ class NativeStep:
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
         self.confidence = confidence                         # the confidence gate's threshold (0: off)
         self.num_replays = 0                                 # steps run whole by run()
-        self.num_targets = 0                                 # steps whose target + verification ran in target()
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
         """self when every row is a greedy strict decode row and every row that drafts has the stored states its
@@ -51,7 +49,7 @@ class NativeStep:
         if not self.can_verify(rows):
             return None
         for r in rows:
-            if self._limit(r) and self._window_len(r) > self._stored(r.seq):
+            if self._limit(r) and self._window_len(r) > self._stored(r.seq.mtp):
                 return None
         return self
 
@@ -65,7 +63,6 @@ class NativeStep:
         """The general step's runner.execute + verify in one call, for can_verify(rows): (emitted tokens per row,
         the target's hidden states per row [n_row, H]), which the engine commits and drafts from as usual."""
         out, hidden, _ = self._call(rows, [0] * len(rows), -1)
-        self.num_targets += 1
         tokens = [row[1:1 + row[0]] for row in out]
         return tokens, list(hidden.split([len(r.token_ids) for r in rows]))
 
@@ -87,44 +84,44 @@ class NativeStep:
 
     # ---- the rows' MTP state ---------------------------------------------------------------
     def _limit(self, r: ScheduledRow) -> int:
-        if not self.K or r.seq.spec_off:
+        if not self.K or r.seq.mtp.is_off:
             return 0
-        return self.K if self.fixed_counts else min(self.K, max(0, r.seq.draft_len))
+        return self.K if self.fixed_counts else min(self.K, max(0, r.seq.mtp.draft_len))
 
     def _window_len(self, r: ScheduledRow) -> int:
         """Stored positions before r.start the row's MTP forwards re-read: the lagging ones, and for Vanilla at
         least min(K - 1, start) (module 1's window reaches that far back)."""
-        lag = r.start - r.seq.mtp_valid
+        lag = r.start - r.seq.mtp.num_valid
         return max(lag, min(self.K - 1, r.start)) if self.vanilla else lag
 
-    def _stored(self, seq) -> int:
-        """Positions before seq's valid length whose main hidden states the engine keeps (window, pending)."""
-        n = sum(len(h) for h in seq.mtp_pending) if seq.mtp_pending else 0
-        if self.vanilla and seq.window_hidden is not None:
-            n += len(seq.window_hidden)
+    def _stored(self, mtp: MTPState) -> int:
+        """Positions before the row's valid length whose main hidden states the engine keeps (window, pending)."""
+        n = sum(len(h) for h in mtp.pending) if mtp.pending else 0
+        if self.vanilla and mtp.window_hidden is not None:
+            n += len(mtp.window_hidden)
         return n
 
     def _windows(self, rows: list[ScheduledRow], limits: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The stored positions each drafting row's MTP forwards re-read, as the op takes them: their count, their
         tokens x_{q+1} and main hidden states (the last ones of the Vanilla window and the pending states), and
-        each row's mtp_valid."""
+        each row's MTP valid length."""
         lens, ids, hid = [], [], []
         for r, n in zip(rows, limits):
-            seq = r.seq
+            mtp = r.seq.mtp
             w = self._window_len(r) if n else 0
             lens.append(w)
             if not w:
                 continue
-            ids.extend(seq.all_ids[r.start - w + 1: r.start + 1])
-            parts = ([seq.window_hidden] if self.vanilla and seq.window_hidden is not None else []) + \
-                (seq.mtp_pending or [])
+            ids.extend(r.seq.all_ids[r.start - w + 1: r.start + 1])
+            parts = ([mtp.window_hidden] if self.vanilla and mtp.window_hidden is not None else []) + \
+                (mtp.pending or [])
             states = torch.cat(parts) if len(parts) > 1 else parts[0]
             hid.append(states[len(states) - w:])
         hidden = (torch.cat(hid) if len(hid) > 1 else hid[0]).float().contiguous() if hid else \
             torch.empty(0, self.hidden_size)
         return (torch.tensor(ids, dtype=torch.long), hidden, torch.tensor(lens, dtype=torch.int32),
-                torch.tensor([r.seq.mtp_valid for r in rows], dtype=torch.long))
+                torch.tensor([r.seq.mtp.num_valid for r in rows], dtype=torch.long))
 
     def _settle(self, rows: list[ScheduledRow], limits: list[int], out: list[list[int]], hidden: torch.Tensor,
                 windows: torch.Tensor) -> None:
@@ -136,20 +133,15 @@ class NativeStep:
         views_ok = hidden.shape[0] == len(rows)
         K, first = self.K, 0                 # first: the row's first position in hidden [T, H]
         for b, (r, row, n) in enumerate(zip(rows, out, limits)):
-            seq, valid = r.seq, r.start + row[0]
+            mtp, valid = r.seq.mtp, r.start + row[0]
             first, at = first + len(r.token_ids), first
             if n:
                 if self.vanilla:      # the main hidden states of its last min(K, window) valid positions
-                    kept = min(K, valid - max(min(valid - K, seq.mtp_valid), 0))
-                    seq.window_hidden = windows[b, K - kept:]
-                seq.mtp_valid, seq.mtp_pending = valid, None
-            elif not seq.spec_off:
-                h = hidden[at:at + row[0]]
-                if seq.mtp_pending is None:
-                    seq.mtp_pending = []
-                seq.mtp_pending.append(h if views_ok else h.clone())
-                if valid - seq.mtp_valid > MAX_MTP_LAG:
-                    seq.spec_off, seq.mtp_pending = True, None    # bounded memory: no more drafting
+                    kept = min(K, valid - max(min(valid - K, mtp.num_valid), 0))
+                    mtp.window_hidden = windows[b, K - kept:]
+                mtp.num_valid, mtp.pending = valid, None
+            elif not mtp.is_off:
+                backlog.hold(mtp, hidden[at:at + row[0]], valid, copy=not views_ok)
 
     def _call(self, rows: list[ScheduledRow], limits: list[int], mtp_layer: int
               ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
@@ -168,7 +160,7 @@ class NativeStep:
             nd.grow_rope(max(ends) + 256)
         drafting = mtp_layer >= 0 and any(limits)
         window = self._windows(rows, limits) if drafting and (vanilla or any(
-            r.seq.mtp_valid != r.start for r, n in zip(rows, limits) if n)) else (None, None, None, None)
+            r.seq.mtp.num_valid != r.start for r, n in zip(rows, limits) if n)) else (None, None, None, None)
         out, hidden, windows = nd.step_op(
             nd.handle, torch.tensor(ids, dtype=torch.long), torch.tensor(qs, dtype=torch.int32),
             torch.tensor([r.start for r in rows], dtype=torch.long), tables, torch.tensor(limits, dtype=torch.int32),

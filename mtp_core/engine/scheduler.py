@@ -24,6 +24,7 @@ from mtp_core.engine.sequence import Sequence, Status
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.prefix_cache import PrefixHit, ReusePolicy, extend_digests
 from mtp_core.speculative.policy import DraftLenPolicy
+from mtp_core.speculative.stats import SpecStats
 
 log = logging.getLogger("mtp.scheduler")
 
@@ -58,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.finished_stats = SpecStats()      # the statistics of every finished request, summed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -81,8 +83,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.is_prefilling or seq not in self.running:
                 continue
-            limit = self.policy.row_limit(seq, in_flight) if self.K else 0
-            drafts = [0] * limit if placeholder else seq.drafts[:limit]
+            limit = self.policy.row_limit(seq.mtp, in_flight) if self.K else 0
+            drafts = [0] * limit if placeholder else seq.mtp.drafts[:limit]
             if budget < len(drafts) + 1:
                 break
             end = seq.num_cached + len(drafts) + 1 + self.overshoot()
@@ -185,6 +187,7 @@ class Scheduler:
                 self.settle(seq, final=True)
         self.blocks.free(seq.block_table)
         seq.status = Status.FINISHED
+        self.finished_stats.merge(seq.stats)
 
     def abort(self, seq: Sequence) -> None:
         if seq.is_finished:
@@ -209,8 +212,8 @@ class Scheduler:
         if not self.blocks.enable_reuse or seq.status != Status.RUNNING:
             return
         # with MTP caches, a position is final only once its MTP entries are written too: a request that
-        # skipped drafting (its MTP caches lag, see speculative/adaptive.py) registers up to mtp_valid
-        valid = min(seq.num_cached, seq.mtp_valid) if self.reuse.mtp else seq.num_cached
+        # skipped drafting (its MTP caches lag, see speculative/backlog.py) registers up to seq.mtp.num_valid
+        valid = min(seq.num_cached, seq.mtp.num_valid) if self.reuse.mtp else seq.num_cached
         valid -= 0 if final else self.reuse.write_lag
         if valid < self.blocks.tokens_per_block * (seq.num_settled_blocks + 1):
             return

@@ -8,7 +8,8 @@ from typing import Optional
 
 import torch
 
-from mtp_core.sampling import SamplingParams
+from mtp_core.sampling import SamplingParams, token_logprobs
+from mtp_core.speculative.mtp_state import MTPState
 from mtp_core.speculative.stats import SpecStats
 
 _ids = itertools.count()
@@ -22,43 +23,34 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)      # identity: `seq in running` must not compare every field of every request
 class Sequence:
+    """A request: its tokens and KV state here (scheduler, engine), its drafting state in `mtp`, its
+    statistics in `stats` (recorded by the engine's commit), and what it returns beside its tokens."""
     prompt_ids: list[int]
     params: SamplingParams
     request_id: int = field(default_factory=lambda: next(_ids))
+    # tokens and KV state
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None          # "stop" | "length" | "abort"
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0          # positions 0..num_cached-1 hold valid KV in every layer (main and MTP)
     num_prefilled: int = 0       # how far the current prefill (prompt + recomputed output) has come
-    drafts: list[int] = field(default_factory=list)   # drafts proposed for the next step
+    prefill_target: int = 0      # tokens the current prefill covers
     in_thinking: bool = False    # relaxed acceptance applies only while True
-    window_hidden: Optional[torch.Tensor] = None   # Vanilla: the last K valid positions' main hidden [<=K, H]
+    block_digests: list[bytes] = field(default_factory=list)   # prefix cache: digest per full block of all_ids
+    num_settled_blocks: int = 0  # prefix cache: leading table blocks already registered (or skipped)
+    mtp: MTPState = field(default_factory=MTPState)
     stats: SpecStats = field(default_factory=SpecStats)
-    # adaptive draft length (mtp_core/speculative/adaptive.py)
-    mtp_valid: int = 0           # positions 0..mtp_valid-1 hold valid MTP-cache entries (<= num_cached)
-    mtp_pending: Optional[list[torch.Tensor]] = None   # main hidden states, positions mtp_valid..num_cached-1
-    accept_window: list[int] = field(default_factory=list)   # AL of the last decode steps that drafted
-    pause_steps: int = 0         # decode steps left without drafting (acceptance window)
-    num_pauses: int = 0
-    spec_off: bool = False       # drafting off for good (the MTP lag outgrew MAX_MTP_LAG)
-    # draft-length policy (mtp_core/speculative/policy.py)
-    draft_len: int = 0           # drafts chosen for the next step when this request last drafted
-    accept_est: Optional[list[float]] = None   # acceptance per draft position (None: the engine-wide one)
-    expected: Optional[list[float]] = None     # expected tokens emitted with 0..K drafts, from accept_est
-    accept_step: int = 0         # the policy's step count when accept_est last learnt something
-    accept_n: int = 0            # observations accept_est has learnt from
-    generator: Optional[torch.Generator] = None
-    # params.logprobs set: one (id, logprob, top) per output token; params.prompt_logprobs set: None for the
-    # first prompt token, then one per prompt token (filled by the prefill, which then skips the prefix cache)
+    # what it returns beside its tokens. params.logprobs set: one (id, logprob, top) per output token;
+    # params.prompt_logprobs set: None for the first prompt token, then one per prompt token (filled by the
+    # prefill, which then skips the prefix cache)
     logprobs: list = field(default_factory=list)
-    matcher: Optional[object] = None   # params.guided: the grammar matcher, after every emitted non-thinking token
     prompt_logprobs: list = field(default_factory=list)
+    matcher: Optional[object] = None   # params.guided: the grammar matcher, after every emitted non-thinking token
+    generator: Optional[torch.Generator] = None   # params.seed: this request's sampling generator
     first_token_time: Optional[float] = None
     arrival_time: float = 0.0
     finish_time: Optional[float] = None
-    block_digests: list[bytes] = field(default_factory=list)   # prefix cache: digest per full block of all_ids
-    num_settled_blocks: int = 0  # prefix cache: leading table blocks already registered (or skipped)
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -68,8 +60,6 @@ class Sequence:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
-
-    prefill_target: int = 0     # tokens the current prefill covers
 
     @property
     def is_prefilling(self) -> bool:
@@ -81,11 +71,43 @@ class Sequence:
         self.prefill_target = len(self.prompt_ids) + len(self.output_ids)
         self.num_prefilled = start
         self.num_cached = start
-        self.drafts = []
-        self.window_hidden = None
-        self.mtp_valid = start          # a reused prefix brings its MTP-cache entries too
-        self.mtp_pending = None
+        self.mtp.restart(start)
 
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
+
+    def append(self, emitted: list[int], eos_token_ids: set[int], think_ids: Optional[tuple[int, int]],
+               max_seq_len: int) -> int:
+        """Appends tokens one by one, stopping at EOS / stop ids / max_tokens / max_seq_len (finish_reason
+        set); returns how many it appended."""
+        n = 0
+        for tok in emitted:
+            p = self.params
+            if (tok in eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                self.finish_reason = "stop"
+                break
+            self.output_ids.append(tok)
+            n += 1
+            if self.matcher is not None and not (p.guided_after_think and think_ids is not None
+                                                 and (self.in_thinking or tok in think_ids)):
+                self.matcher.accept_token(tok)
+            if think_ids is not None:
+                if tok == think_ids[0]:
+                    self.in_thinking = True
+                elif tok == think_ids[1]:
+                    self.in_thinking = False
+            if len(self.output_ids) >= p.max_tokens or len(self.all_ids) >= max_seq_len:
+                self.finish_reason = "length"
+                break
+        return n
+
+    def score_prompt(self, start: int, logits: torch.Tensor) -> None:
+        """A prefill chunk's logits [n, V] from position start: position p scores prompt token p + 1."""
+        first = len(self.prompt_logprobs) - 1 - start          # the chunk's first position not scored yet
+        end = min(logits.shape[0], len(self.prompt_ids) - 1 - start)
+        if first < 0 or first >= end:
+            return
+        self.prompt_logprobs.extend(token_logprobs(logits[first:end],
+                                                   self.prompt_ids[start + first + 1: start + end + 1],
+                                                   self.params.prompt_logprobs))

@@ -20,6 +20,12 @@ from mtp_core.config import KvCacheConfig, ModelConfig
 log = logging.getLogger("mtp.kv_cache")
 
 
+def copy_block(caches: list[torch.Tensor], src: int, dst: int) -> None:
+    """Prefix cache copy-on-write: block src's slots, every layer, into block dst."""
+    for c in caches:
+        c[dst].copy_(c[src])
+
+
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
     """cache [blocks, page, D] (any dtype), slots [T] int64, kv [T, D]: kv rounded to the cache's dtype into its
     slots (an e4m3 cache through a byte view: torch's CPU index_copy has no float8 kernel)."""

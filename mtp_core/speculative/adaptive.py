@@ -21,12 +21,8 @@ smallest limit:
    runs every module over the request's window (each module's cache must stay complete) but verifies
    only the kept drafts.
 
-A row whose limit is 0 (schedule or pause) skips the drafter entirely: its MTP caches lag behind its
-valid length, and the main model's hidden states for the missing positions are kept on the sequence
-(`Sequence.mtp_pending`). When it drafts again, the drafter's first MTP forward covers every lagging
-position at once (one forward over n tokens, like a prefill chunk), so the MTP caches are again equal to
-a recompute of the accepted prefix. A lag longer than MAX_MTP_LAG positions drops the kept states and
-switches drafting off for that request for good (bounded memory).
+A row whose limit is 0 (schedule or pause) skips the drafter entirely; speculative/backlog.py keeps what its
+MTP caches will need when it drafts again.
 """
 from __future__ import annotations
 
@@ -34,7 +30,8 @@ import bisect
 import math
 from typing import Any, Optional
 
-MAX_MTP_LAG = 2048          # positions of main hidden states a paused request may keep
+from mtp_core.speculative.mtp_state import MTPState
+from mtp_core.speculative.stats import SpecStats
 
 
 def _is_int(v: Any) -> bool:
@@ -108,8 +105,6 @@ class DraftPolicy:
 
     @classmethod
     def from_spec(cls, spec: Any, max_batch_size: int) -> "DraftPolicy":
-        if spec is None:
-            return cls(0)
         return cls(spec.max_draft_len, parse_schedule(spec.draft_len_schedule), spec.acceptance_window,
                    spec.acceptance_length_threshold, max_batch_size)
 
@@ -123,28 +118,28 @@ class DraftPolicy:
     def in_flight(self, num_running: int, num_waiting: int) -> int:
         return min(num_running + num_waiting, self.max_batch_size)
 
-    def row_limit(self, seq: Any, batch_size: int) -> int:
+    def row_limit(self, mtp: MTPState, batch_size: int) -> int:
         """min(rule 1, rule 2) for one request."""
-        if seq.spec_off or seq.pause_steps > 0:
+        if mtp.is_off or mtp.pause_steps > 0:
             return 0
         return self.batch_limit(batch_size)
 
-    def observe(self, seq: Any, proposed: int, accepted: int, stats: Any = None) -> None:
-        """Rule 2 after a decode step of `seq` that verified `proposed` drafts and accepted `accepted`."""
+    def observe(self, mtp: MTPState, proposed: int, accepted: int, stats: Optional[SpecStats] = None) -> None:
+        """Rule 2 after a decode step of a request that verified `proposed` drafts and accepted `accepted`;
+        a pause is counted in its statistics."""
         if not self.window:
             return
-        if seq.pause_steps > 0:
-            seq.pause_steps -= 1
+        if mtp.pause_steps > 0:
+            mtp.pause_steps -= 1
             return
         if proposed == 0:
             return
-        win = seq.accept_window
+        win = mtp.accept_window
         win.append(1 + accepted)
         if len(win) > self.window:
             win.pop(0)
         if len(win) == self.window and sum(win) / self.window < self.al_threshold:
-            seq.pause_steps = self.window
+            mtp.pause_steps = self.window
             win.clear()
-            seq.num_pauses += 1
             if stats is not None:
                 stats.num_window_pauses += 1

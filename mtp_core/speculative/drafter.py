@@ -16,14 +16,17 @@ before it) and appends the chain (D1, g1) .. (D_{k-1}, g_{k-1}) at positions V .
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 
 from mtp_core.engine.sequence import Sequence
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.forward_path import ForwardPath
+
+log = logging.getLogger("mtp.engine")
 
 
 @dataclass
@@ -56,14 +59,13 @@ class _MTPRunner:
         ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=hidden.device)
         return self.path.mtp_forward(module, ids, hidden, meta, self.caches)
 
-    def draft(self, out_last: torch.Tensor) -> list[int]:
-        """[R, H] -> greedy draft token per row (drafts are always greedy)."""
-        return self.path.logits(out_last).argmax(-1).tolist()
-
-    def draft_with_prob(self, out_last: torch.Tensor) -> tuple[list[int], list[float]]:
-        """[R, H] -> (greedy draft per row, the MTP head's probability of it)."""
-        logits = self.path.logits(out_last).float()
-        p, d = torch.softmax(logits, dim=-1).max(-1)
+    def draft(self, out_last: torch.Tensor, with_prob: bool) -> tuple[list[int], Optional[list[float]]]:
+        """[R, H] -> (greedy draft token per row (drafts are always greedy), with_prob: the MTP head's
+        probability of it)."""
+        logits = self.path.logits(out_last)
+        if not with_prob:
+            return logits.argmax(-1).tolist(), None
+        p, d = torch.softmax(logits.float(), dim=-1).max(-1)
         return d.tolist(), p.tolist()
 
 
@@ -83,12 +85,15 @@ def _limit(r: DraftInput, K: int) -> int:
     return K if r.max_drafts is None else max(0, min(r.max_drafts, K))
 
 
-class EagleDrafter:
+class _MTPDrafter:
     def __init__(self, model: DeepseekV3ForCausalLM, path: ForwardPath, caches: list[torch.Tensor],
                  tokens_per_block: int, num_draft_tokens: int, confidence_threshold: float = 0.0) -> None:
         self.runner = _MTPRunner(path, caches, tokens_per_block)
         self.num_draft_tokens = num_draft_tokens
         self.confidence_threshold = confidence_threshold
+
+
+class EagleDrafter(_MTPDrafter):
 
     def propose(self, rows: list[DraftInput]) -> list[list[int]]:
         """Up to K drafts per row: fewer where the row's max_drafts says so, or where the running product of
@@ -108,7 +113,7 @@ class EagleDrafter:
         conf = {i: 1.0 for i in active}
         g = _last_rows(out, positions, active)                            # [R, H]
         for j in range(1, K + 1):
-            d, p = self.runner.draft_with_prob(g) if thr > 0 else (self.runner.draft(g), None)
+            d, p = self.runner.draft(g, thr > 0)
             keep: list[int] = []
             for n, (i, tok) in enumerate(zip(active, d)):
                 if p is not None:
@@ -128,16 +133,14 @@ class EagleDrafter:
         return drafts
 
 
-class VanillaDrafter:
+class VanillaDrafter(_MTPDrafter):
     def __init__(self, model: DeepseekV3ForCausalLM, path: ForwardPath, caches: list[torch.Tensor],
                  tokens_per_block: int, num_draft_tokens: int, confidence_threshold: float = 0.0) -> None:
         if num_draft_tokens > model.num_mtp_modules:
             raise ValueError(f"MTP Vanilla needs one module per draft token: max_draft_len={num_draft_tokens} but "
                              f"the checkpoint has {model.num_mtp_modules} MTP module(s); lower "
                              f"--spec_decode_max_draft_len or use --mtp_mode eagle")
-        self.runner = _MTPRunner(path, caches, tokens_per_block)
-        self.num_draft_tokens = num_draft_tokens
-        self.confidence_threshold = confidence_threshold
+        super().__init__(model, path, caches, tokens_per_block, num_draft_tokens, confidence_threshold)
 
     def _window_inputs(self, r: DraftInput) -> tuple[int, list[int], torch.Tensor]:
         """Positions [s, V) covering the request's window and the newly valid positions."""
@@ -147,7 +150,7 @@ class VanillaDrafter:
         old = r.start - s                                   # positions taken from the stored window
         ids = r.seq.all_ids
         tokens = ids[s + 1: r.start + 1] + r.next_tokens if old else list(r.next_tokens)
-        hidden = r.hidden if not old else torch.cat([r.seq.window_hidden[-old:], r.hidden])
+        hidden = r.hidden if not old else torch.cat([r.seq.mtp.window_hidden[-old:], r.hidden])
         return s, tokens, hidden
 
     def propose(self, rows: list[DraftInput]) -> list[list[int]]:
@@ -175,7 +178,7 @@ class VanillaDrafter:
             if not active:
                 continue
             g = _last_rows(out, positions, active)
-            d, p = self.runner.draft_with_prob(g) if thr > 0 else (self.runner.draft(g), None)
+            d, p = self.runner.draft(g, thr > 0)
             for n, (i, tok, h) in enumerate(zip(active, d, g)):
                 if p is not None:
                     conf[i] *= p[n]
@@ -185,5 +188,21 @@ class VanillaDrafter:
                 chain_tok[i].append(tok)
                 chain_hid[i].append(h)
         for r, (s, toks, hid) in zip(rows, base):
-            r.seq.window_hidden = hid[-self.num_draft_tokens:].clone()
+            r.seq.mtp.window_hidden = hid[-self.num_draft_tokens:].clone()
         return drafts
+
+
+def make_drafter(model: DeepseekV3ForCausalLM, path: ForwardPath, caches: list[torch.Tensor],
+                 tokens_per_block: int, spec: Any) -> Optional[Drafter]:
+    """The drafter a SpeculativeConfig asks for (None without one)."""
+    if not spec:
+        return None
+    n = model.num_mtp_modules
+    if n == 0:
+        raise ValueError("--spec_decode_algo MTP needs MTP modules, but the checkpoint has "
+                         "num_nextn_predict_layers = 0")
+    mode = spec.resolved_mode(n)
+    cls = VanillaDrafter if mode == "vanilla" else EagleDrafter
+    log.info("MTP %s drafting, max_draft_len=%d, %d module(s) in the checkpoint", mode, spec.max_draft_len, n)
+    return cls(model, path, caches, tokens_per_block, spec.max_draft_len,
+               confidence_threshold=spec.draft_confidence_threshold)

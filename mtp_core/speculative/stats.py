@@ -1,7 +1,7 @@
 """Acceptance statistics (TensorRT-LLM calls AL the "acceptance rate"; here AL = tokens / steps)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -22,13 +22,9 @@ class SpecStats:
         self.num_output_tokens += num_emitted
         self.num_draft_proposed += num_proposed
         self.num_draft_accepted += num_accepted
-        if len(self.proposed_per_position) < num_proposed:
-            grow = num_proposed - len(self.proposed_per_position)
-            self.proposed_per_position += [0] * grow
-            self.accepted_per_position += [0] * grow
         for i in range(num_proposed):
-            self.proposed_per_position[i] += 1
-            self.accepted_per_position[i] += int(i < num_accepted)
+            _bump(self.proposed_per_position, i)
+            _bump(self.accepted_per_position, i, int(i < num_accepted))
 
     def record_decode(self, num_proposed: int) -> None:
         """One decode step of one request that verified num_proposed drafts (0..K)."""
@@ -39,19 +35,15 @@ class SpecStats:
         _bump(self.draft_limit_per_step, limit)
 
     def merge(self, other: "SpecStats") -> None:
-        self.num_steps += other.num_steps
-        self.num_output_tokens += other.num_output_tokens
-        self.num_draft_proposed += other.num_draft_proposed
-        self.num_draft_accepted += other.num_draft_accepted
-        n = max(len(self.proposed_per_position), len(other.proposed_per_position))
-        pad = lambda v: v + [0] * (n - len(v))  # noqa: E731
-        self.proposed_per_position = [a + b for a, b in zip(pad(self.proposed_per_position), pad(other.proposed_per_position))]
-        self.accepted_per_position = [a + b for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))]
-        for name in ("drafts_per_step", "draft_limit_per_step"):
-            a, b = getattr(self, name), getattr(other, name)
-            m = max(len(a), len(b))
-            setattr(self, name, [x + y for x, y in zip(a + [0] * (m - len(a)), b + [0] * (m - len(b)))])
-        self.num_window_pauses += other.num_window_pauses
+        """Adds other's counts to these (histograms element-wise, the shorter one padded with zeros)."""
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, list):
+                n = max(len(a), len(b))
+                a, b = a + [0] * (n - len(a)), b + [0] * (n - len(b))
+                setattr(self, f.name, [x + y for x, y in zip(a, b)])
+            else:
+                setattr(self, f.name, a + b)
 
     @property
     def acceptance_length(self) -> float:
@@ -95,7 +87,7 @@ class SpecStats:
         ]
 
 
-def _bump(hist: list[int], i: int) -> None:
+def _bump(hist: list[int], i: int, by: int = 1) -> None:
     if len(hist) <= i:
         hist += [0] * (i + 1 - len(hist))
-    hist[i] += 1
+    hist[i] += by

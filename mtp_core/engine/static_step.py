@@ -1,6 +1,16 @@
-"""The whole decode step with static shapes, for CUDA graphs (`cuda_graph_config`).
+"""The fused decode step: the target forward, verification and the next drafts of a batch in one call.
 
-A pure-decode batch of B rows, each feeding [t, d_1..d_K] at positions start..start+K, runs as one
+Two implementations, one contract: the static step here (fixed-size buffers, captured as a CUDA graph per
+batch size; run eagerly over the same buffers without CUDA), and its CPU twin native_step.NativeStep (the
+whole step as one native call, mtp_core::mtp_step). Both answer `step_for(rows)`: a step that can run this
+batch, or None (the batch then takes the engine's general path); its `run(rows)` returns (emitted tokens
+per row, next drafts per row) and brings every row's MTP state (seq.mtp) up to date; `num_replays` counts
+the steps run whole. A fused step drafts before the draft-length policy has seen what it emits, so it
+drafts a count of its own for every row (K, or the count the policy chose last); the engine cuts each
+row's drafts to the policy's choice once the step is committed. `make_static_steps` builds them,
+`run_fused` is the engine's one call.
+
+The static step: a pure-decode batch of B rows, each feeding [t, d_1..d_K] at positions start..start+K, runs as one
 function of fixed-size buffers, with no host sync anywhere inside:
 
     target  = model([t, d_1..d_K])                      # writes main KV at start..start+K
@@ -29,12 +39,18 @@ length).
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import os
+from typing import Optional, Union
 
 import torch
 
+from mtp_core.config import LLMConfig
+from mtp_core.engine.native_step import NativeStep
 from mtp_core.engine.scheduler import ScheduledRow
+from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+from mtp_core.model.forward_path import ForwardPath
+from mtp_core.model.native_decode import NativeDecoder
 from mtp_core.speculative.verifier import relaxed_counted
 
 log = logging.getLogger("mtp.graphs")
@@ -42,11 +58,7 @@ log = logging.getLogger("mtp.graphs")
 
 def default_batch_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, 8, ... and max_batch_size itself."""
-    sizes, b = [], 1
-    while b < max_batch_size:
-        sizes.append(b)
-        b *= 2
-    return sizes + [max_batch_size]
+    return [1 << i for i in range((max_batch_size - 1).bit_length())] + [max_batch_size]
 
 
 def static_step_unsupported(model: DeepseekV3ForCausalLM, mode: Optional[str], K: int,
@@ -198,7 +210,7 @@ class StaticDecodeStep:
         K = self.K
         out = torch.cat([self.emitted, self.num_emitted[:, None], self.drafts], dim=1)[: len(rows)].cpu().tolist()
         for r, row in zip(rows, out):
-            r.seq.mtp_valid = r.start + row[K + 1]       # every row's MTP caches cover its new valid positions
+            r.seq.mtp.num_valid = r.start + row[K + 1]   # every row's MTP caches cover its new valid positions
         return [row[: row[K + 1]] for row in out], [row[K + 2:] for row in out]
 
 
@@ -225,7 +237,50 @@ class GraphRunner:
     def step_for(self, rows: list[ScheduledRow]) -> Optional[StaticDecodeStep]:
         """The static step that can run this batch, or None (it then runs eagerly)."""
         if not rows or any(r.is_prefill or not r.seq.params.greedy or len(r.token_ids) != self.K + 1
-                           or (self.K and r.seq.mtp_valid != r.start) for r in rows):
+                           or (self.K and r.seq.mtp.num_valid != r.start) for r in rows):
             return None
         fits = [b for b in self.steps if b >= len(rows) and (b == len(rows) or self.enable_padding)]
         return self.steps[min(fits)] if fits else None
+
+
+def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMConfig, caches: list[torch.Tensor],
+                      blocks: BlockManager,
+                      K: int, mode: Optional[str], relaxed: Optional[tuple[int, float]], max_seq_len: int,
+                      fixed_counts: bool, overlap: bool, injected_drafter: bool
+                      ) -> tuple[Optional[GraphRunner], Optional[NativeStep]]:
+    """The engine's fused steps: the static (CUDA-graph) step for each batch size of cuda_graph_config, or
+    None with a log line when this model or drafting mode cannot run it (every step then runs eagerly); on a
+    CPU with the native forward, the native step where nothing else drives the step (no graphs, no overlap
+    scheduler, no injected drafter)."""
+    spec, cg = cfg.speculative_config, cfg.cuda_graph_config
+    confidence = spec.draft_confidence_threshold if spec else 0.0
+    graphs = None
+    why = static_step_unsupported(model, mode, K, confidence) if cg is not None else None
+    if why is not None:
+        logging.getLogger("mtp.engine").warning("CUDA graphs off: %s", why)
+    elif cg is not None:
+        scratch: list[int] = []
+        blocks.reserve(scratch, 1)            # padded rows read and write only this block, forever
+        sizes = [b for b in (cg.batch_sizes or default_batch_sizes(cg.max_batch_size or cfg.max_batch_size))
+                 if b <= cfg.max_batch_size]
+        graphs = GraphRunner(model, caches, K, sizes, cg.enable_padding, blocks.blocks_for(max_seq_len + 2 * K),
+                             blocks.tokens_per_block, scratch[0],
+                             relaxed if relaxed and relaxed[0] > 1 and relaxed[1] > 0 else None,
+                             torch.device(cfg.device))
+    use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
+    native = (NativeStep(model, path, caches, K, relaxed, fixed_counts=fixed_counts, vanilla=mode == "vanilla",
+                         confidence=confidence)
+              if use_native_step and graphs is None and not overlap and not injected_drafter
+              and isinstance(path, NativeDecoder) else None)
+    return graphs, native
+
+
+def run_fused(fused: Optional[Union[GraphRunner, NativeStep]], rows: list[ScheduledRow]
+              ) -> Optional[tuple[list[list[int]], list[list[int]]]]:
+    """(emitted tokens per row, next drafts per row) when the fused step can run this batch, else None."""
+    step = fused.step_for(rows) if fused is not None else None
+    if step is None:
+        return None
+    out = step.run(rows)
+    fused.num_replays += 1
+    return out

@@ -1,0 +1,79 @@
+"""The acceptance estimates the draft-length policy chooses from (speculative/policy.py).
+
+a_j = the chance that draft j is accepted when drafts 1..j-1 were, per request: an exponentially weighted
+mean of its own steps (weight 0.1; the first observations weigh 1/(n+4), the prior counting as 4, and so
+do the first ones after 16 steps without any), starting from the engine-wide mean (weight 0.05, prior 0.8
+counting as 8). A position a request does not observe moves 10% per step back to the engine-wide value
+(what it showed goes stale: a reasoning trace changes phase), and the engine-wide value moves 0.5% per step
+back to the prior while no request verifies a draft, so a long stretch at 0 is re-tried, rarely.
+E_r(k) = 1 + sum_{i<=k} prod_{j<=i} a_j is the expected tokens row r emits with k drafts.
+
+Worked example (K = 3, a request's first observation, weight 1/(1+4) = 0.2, engine-wide 0.8 everywhere):
+a step verifies 3 drafts and accepts 1, so position 1 is seen accepted, position 2 rejected, position 3 not
+at all: a = (0.8 + 0.2 * 0.2, 0.8 - 0.2 * 0.8, 0.8) = (0.84, 0.64, 0.8), E = (1, 1.84, 2.378, 2.808).
+"""
+from __future__ import annotations
+
+from mtp_core.speculative.mtp_state import MTPState
+
+ACCEPT_WEIGHT = 0.1        # weight of a request's newest observation in its acceptance estimate
+GLOBAL_WEIGHT = 0.05       # the same for the engine-wide estimate new requests start from
+PRIOR_ACCEPT = 0.8         # the engine-wide estimate before any observation (optimistic: draft first)
+PRIOR_WEIGHT = 4           # observations a request's prior (the engine-wide estimate) counts as; the
+                           # engine-wide estimate's prior counts twice that
+RELAX = 0.1                # per step a draft position is not observed, a request's estimate there moves this
+                           # far back to the engine-wide one (what it showed goes stale: a trace changes phase)
+GLOBAL_RELAX = 0.005       # per step in which no request verified a draft, the engine-wide estimate moves this
+                           # far back to PRIOR_ACCEPT (so that a long run at 0 drafts is re-tried, rarely)
+STALE = 16                 # steps without an observation after which an estimate learns as if new again
+
+
+def expected_tokens(accept: list[float], k: int) -> list[float]:
+    """[E(0), .., E(k)]: expected tokens emitted with j drafts, E(j) = 1 + sum_{i<=j} prod_{l<=i} a_l."""
+    out, p = [1.0], 1.0
+    for j in range(k):
+        p *= accept[j]
+        out.append(out[-1] + p)
+    return out
+
+
+def relaxed(accept: list[float], toward: list[float], steps: int, rate: float) -> list[float]:
+    """accept moved back toward `toward` by `rate` per step, over `steps` steps."""
+    d = (1.0 - rate) ** steps
+    return [t + (a - t) * d for a, t in zip(accept, toward)]
+
+
+def learn(mtp: MTPState, engine: list[float], num_engine_observed: int, now: int, proposed: int,
+          accepted: int) -> None:
+    """A decode step verified `proposed` > 0 drafts and accepted `accepted`: positions 1..accepted+1 were
+    observed. Updates the request's estimate (mtp) and the engine-wide one (engine, in place, its
+    num_engine_observed-th observation); now: the policy's step count."""
+    K = len(engine)
+    if mtp.accept_est is None:
+        mtp.accept_est, mtp.accept_n = list(engine), 0
+    a = mtp.accept_est
+    # the n-th observation weighs 1/(n + PRIOR_WEIGHT) (the prior counts as that many) until that is below
+    # the fixed weight; after STALE steps without an observation the count starts again (what was learnt
+    # before is a prior now: the request, or the workload, may have changed)
+    mtp.accept_n = 1 if now - mtp.accept_step > STALE else mtp.accept_n + 1
+    w = max(ACCEPT_WEIGHT, 1.0 / (mtp.accept_n + PRIOR_WEIGHT))
+    wg = max(GLOBAL_WEIGHT, 1.0 / (num_engine_observed + 2 * PRIOR_WEIGHT))
+    seen = min(accepted + 1, proposed)
+    for j in range(seen):
+        x = 1.0 if j < accepted else 0.0
+        a[j] += w * (x - a[j])
+        engine[j] += wg * (x - engine[j])
+    for j in range(seen, K):
+        a[j] += RELAX * (engine[j] - a[j])
+    mtp.expected = expected_tokens(a, K)
+    mtp.accept_step = now
+
+
+def request_expected(mtp: MTPState, engine: list[float], engine_expected: list[float], now: int) -> list[float]:
+    """E(0..K) for one request: its own, moved back toward the engine-wide estimate when it verified no draft
+    lately, or the engine-wide one (engine_expected) before its first observation."""
+    if mtp.expected is None:
+        return engine_expected
+    if now - mtp.accept_step > 1:
+        return expected_tokens(relaxed(mtp.accept_est, engine, now - mtp.accept_step, RELAX), len(engine))
+    return mtp.expected

@@ -1,0 +1,60 @@
+"""The drafter call, with the backlog of rows that skip drafting.
+
+A decode row whose draft count is 0 (the policy, the batch-size schedule, a paused acceptance window)
+skips the drafter entirely: its MTP caches lag behind its valid length, and the main model's hidden states
+for the missing positions are kept (`MTPState.pending`). When it drafts again, the drafter's first MTP
+forward covers every lagging position at once (one forward over n tokens, like a prefill chunk), so the
+MTP caches are again equal to a recompute of the accepted prefix. A lag longer than MAX_MTP_LAG positions
+drops the kept states and switches drafting off for that request for good (bounded memory).
+
+Worked example (Eagle): a row valid up to position 9 with its MTP entries too (num_valid = 10) is given 0
+drafts for two steps, each emitting one token: pending holds [h10], then [h10], [h11] (valid 12). The next
+step emits x13 (new hidden [h12]) and the policy gives the row drafts again: forward 1 runs over positions
+10..12 with tokens x11..x13 and hidden [h10, h11, h12], drafts follow from position 12, num_valid = 13.
+"""
+from __future__ import annotations
+
+import torch
+
+from mtp_core.speculative.drafter import DraftInput, Drafter
+from mtp_core.speculative.mtp_state import MTPState
+
+MAX_MTP_LAG = 2048          # positions of main hidden states a row that skips drafting may keep
+
+
+def hold(mtp: MTPState, hidden: torch.Tensor, valid: int, copy: bool) -> None:
+    """A row that skips drafting keeps its newly valid positions' main hidden states [n, H] (valid: its new
+    valid length). copy: a view would keep the whole step's output (drafts, other rows) alive."""
+    if mtp.pending is None:
+        mtp.pending = []
+    mtp.pending.append(hidden.clone() if copy else hidden)
+    if valid - mtp.num_valid > MAX_MTP_LAG:
+        mtp.is_off, mtp.pending = True, None
+
+
+def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool) -> list[list[int]]:
+    """Each row's next drafts (inp.max_drafts of them, chosen by the policy). Rows whose count is 0 skip the
+    drafter and hold their states; rows that lag catch up in their first MTP forward. views_ok: the step's
+    output holds nothing else worth freeing."""
+    drafts: list[list[int]] = [[] for _ in inputs]
+    run: list[int] = []
+    for n, inp in enumerate(inputs):
+        mtp = inp.seq.mtp
+        if mtp.is_off:
+            continue
+        limit = inp.max_drafts if inp.needs_drafts and inp.max_drafts is not None else 0
+        valid = inp.start + len(inp.next_tokens)
+        if limit == 0 and valid > inp.seq.prefill_target:          # a decode row that skips drafting
+            hold(mtp, inp.hidden, valid, copy=not views_ok)
+            continue
+        if mtp.pending and mtp.num_valid < inp.start:
+            # the MTP caches lag (drafting skipped in earlier steps): cover the missing positions too
+            inp.hidden = torch.cat([*mtp.pending, inp.hidden])
+            inp.start, inp.next_tokens = mtp.num_valid, inp.seq.all_ids[mtp.num_valid + 1: valid + 1]
+        inp.max_drafts = limit
+        run.append(n)
+    if run:
+        for n, d in zip(run, drafter.propose([inputs[n] for n in run])):
+            inp, drafts[n] = inputs[n], d
+            inp.seq.mtp.num_valid, inp.seq.mtp.pending = inp.start + len(inp.next_tokens), None
+    return drafts

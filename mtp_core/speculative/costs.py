@@ -1,0 +1,165 @@
+"""The measured step costs the draft-length policy chooses from (speculative/policy.py).
+
+u(B, k) = per-row seconds of a step of B decode rows that all verify k drafts, per batch-size bucket (1, 2,
+3, 4, 5-8, 9-16, ...), as two tables: the target part (from the previous step's end: the caller's work
+between steps, schedule, target forward over k+1 tokens per row, verification, commit), keyed by the drafts
+verified, and the drafter part (this choice, the MTP forwards, storing the drafts), keyed by the drafts
+chosen; k = 0 skips the drafter. Which steps are measured is the policy's (`DraftLenPolicy.record_step`).
+
+Each cell keeps its last 9 samples and takes their mean without those above 1.5x their median (delays by
+other work come in bursts). A cell with fewer than 3 samples is replaced by what the bucket's other cells
+predict (least-squares line in k) when that is lower, and an unmeasured count gets the prediction (from one
+measured count, optimistically: flat above it, proportional below it); a bucket with no measurement borrows
+the nearest bucket's. With nothing measured at all the first steps draft nothing, and the optimistic
+predictions get the other counts tried next: 2-4 short runs per bucket, then the choice follows the
+measurements. A catch-up (speculative/backlog.py) is measured apart, per lagging position.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Optional
+
+RING = 9                   # samples per cost cell
+TRUSTED = 3                # samples from which a cell's own value is its estimate (before: see _estimate)
+
+
+def bucket(batch_size: int) -> int:
+    """1, 2, 3, 4 exactly; then the next power of two (5-8 -> 8, 9-16 -> 16, ...)."""
+    return batch_size if batch_size <= 4 else 1 << (batch_size - 1).bit_length()
+
+
+class _Cell:
+    """The last RING samples of one cost cell. Its value is their mean without the samples above 1.5x their
+    median (a step on a shared machine is now and then delayed, in bursts, by other work), or the smallest
+    of fewer than 3 samples. The mean, not a low quantile: a drafting step's own cost varies (the MTP
+    forward covers the tokens each row accepted), and tokens per second follow its mean."""
+    __slots__ = ("samples", "value")
+
+    def __init__(self) -> None:
+        self.samples: deque[float] = deque(maxlen=RING)
+        self.value = 0.0
+
+    def add(self, x: float) -> None:
+        self.samples.append(x)
+        s = sorted(self.samples)
+        if len(s) < 3:
+            self.value = s[0]
+            return
+        cut = 1.5 * s[len(s) // 2]
+        kept = [x for x in s if x <= cut]
+        self.value = sum(kept) / len(kept)
+
+
+def _predict(points: list[tuple[int, float, int]], k: int, first: int) -> Optional[float]:
+    """The value at count k from measured (count, value, samples) points of one table: the least-squares
+    line weighted by min(samples, TRUSTED), slope >= 0; from a single point an optimistic guess (flat above
+    it, proportional below it: to k + 1 tokens for the target part, to k chain forwards for the drafter,
+    whose counts start at first = 1); None without points."""
+    if not points:
+        return None
+    if len({j for j, _, _ in points}) == 1:
+        k1, v1, _ = points[0]
+        return v1 * min(1.0, (k - first + 1) / (k1 - first + 1))
+    w = [min(n, TRUSTED) for _, _, n in points]
+    sw = sum(w)
+    mk = sum(wi * j for wi, (j, _, _) in zip(w, points)) / sw
+    mv = sum(wi * v for wi, (_, v, _) in zip(w, points)) / sw
+    var = sum(wi * (j - mk) ** 2 for wi, (j, _, _) in zip(w, points))
+    slope = max(sum(wi * (j - mk) * (v - mv) for wi, (j, v, _) in zip(w, points)) / var, 0.0)
+    return max(mv + slope * (k - mk), 0.0)
+
+
+def _estimate(cells: list[Optional[_Cell]], drafter: bool) -> list[float]:
+    """Per-row seconds for k = 0..K. A cell with TRUSTED samples gives its value. A cell with fewer gives
+    the smaller of its value and what the other cells predict for it (`_predict`): one slow sample
+    must not keep a count from being tried again. An unmeasured count gets the prediction from the
+    measured cells so estimated (0 when there are none). The drafter's k = 0 (it does not run) is apart: 0 until measured."""
+    K = len(cells) - 1
+    out = [0.0] * (K + 1)
+    first = 1 if drafter else 0
+    if drafter and cells[0] is not None:
+        out[0] = cells[0].value
+    points = [(k, c.value, len(c.samples)) for k, c in enumerate(cells) if c is not None and k >= first]
+    if not points:
+        return out
+    if len(points) == K + 1 - first and all(n >= TRUSTED for _, _, n in points):
+        out[first:] = [v for _, v, _ in points]         # every count measured: no prediction needed
+        return out
+    settled = []                                        # measured cells, as estimated
+    for k, v, n in points:
+        if n < TRUSTED:
+            guess = _predict([p for p in points if p[0] != k], k, first)
+            v = v if guess is None else min(v, guess)
+        settled.append((k, v, n))
+        out[k] = v
+    measured = {k for k, _, _ in points}
+    for k in range(first, K + 1):
+        if k not in measured:
+            out[k] = _predict(settled, k, first) or 0.0
+    return out
+
+
+class StepCosts:
+    """t(B, k) per batch-size bucket: target-part and drafter-part cells of per-row seconds, and the
+    catch-up cost per lagging position."""
+
+    def __init__(self, K: int) -> None:
+        self.K = K
+        self.target: dict[int, list[Optional[_Cell]]] = {}
+        self.draft: dict[int, list[Optional[_Cell]]] = {}
+        self._catchup = _Cell()                      # seconds per lagging position caught up
+        self._cache: dict[int, tuple[list[float], list[float]]] = {}   # per bucket, until its next sample
+
+    def _add(self, table: dict[int, list[Optional[_Cell]]], batch_size: int, k: int, seconds: float) -> None:
+        b = bucket(batch_size)
+        cells = table.setdefault(b, [None] * (self.K + 1))
+        if cells[k] is None:
+            cells[k] = _Cell()
+        cells[k].add(seconds / batch_size)
+        for x in [x for x in self._cache if x == b or x not in self.target]:   # b, and buckets that borrow
+            del self._cache[x]
+
+    def add_target(self, batch_size: int, k: int, seconds: float) -> None:
+        self._add(self.target, batch_size, k, seconds)
+
+    def add_draft(self, batch_size: int, k: int, seconds: float) -> None:
+        self._add(self.draft, batch_size, k, seconds)
+
+    def add_catchup(self, seconds_per_position: float) -> None:
+        self._catchup.add(max(seconds_per_position, 0.0))
+
+    @property
+    def catchup_s(self) -> Optional[float]:
+        """Seconds per lagging position: the median of the last RING measurements (each the difference of two
+        noisy times, so errors go both ways; a catch-up also follows a change of count, whose own extra cost
+        the measurement cannot separate)."""
+        s = sorted(self._catchup.samples)
+        return s[len(s) // 2] if s else None
+
+    def per_row(self, batch_size: int) -> Optional[tuple[list[float], list[float]]]:
+        """(target part, drafter part) per row for k = 0..K at this batch size; None when nothing is measured.
+        A bucket without target measurements borrows the nearest measured bucket's."""
+        b = bucket(batch_size)
+        hit = self._cache.get(b)
+        if hit is not None:
+            return hit
+        src = b
+        if src not in self.target:
+            if not self.target:
+                return None
+            src = min(self.target, key=lambda x: (abs(math.log2(x / b)), x))
+        out = self._cache[b] = (_estimate(self.target[src], drafter=False),
+                                _estimate(self.draft.get(src, [None] * (self.K + 1)), drafter=True))
+        return out
+
+    def snapshot(self) -> dict:
+        """Per bucket: estimated step ms per row (target + drafter) for k = 0..K and samples per cell."""
+        out: dict[str, Any] = {}
+        for b in sorted(self.target):
+            t, d = self.per_row(b)                   # type: ignore[misc]
+            out[str(b)] = {"step_ms_per_row": [round(1e3 * (x + y), 4) for x, y in zip(t, d)],
+                           "target_samples": [len(c.samples) if c else 0 for c in self.target[b]],
+                           "draft_samples": [len(c.samples) if c else 0
+                                             for c in self.draft.get(b, [None] * (self.K + 1))]}
+        return out

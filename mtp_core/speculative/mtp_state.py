@@ -1,0 +1,32 @@
+"""One request's drafting state (`Sequence.mtp`), grouped by the component that writes it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class MTPState:
+    # the drafts: the engine stores them for the next step, the Vanilla drafter (or the native step) its window
+    drafts: list[int] = field(default_factory=list)   # proposed for the next step
+    window_hidden: Optional[torch.Tensor] = None   # Vanilla: the last K valid positions' main hidden [<=K, H]
+    # the backlog of a row that skips drafting (speculative/backlog.py; the static steps keep it up to date)
+    num_valid: int = 0           # positions 0..num_valid-1 hold valid MTP-cache entries (<= seq.num_cached)
+    pending: Optional[list[torch.Tensor]] = None   # main hidden states, positions num_valid..num_cached-1
+    is_off: bool = False         # drafting off for good (the lag outgrew backlog.MAX_MTP_LAG)
+    # the acceptance window (adaptive.DraftPolicy)
+    accept_window: list[int] = field(default_factory=list)   # AL of the last decode steps that drafted
+    pause_steps: int = 0         # decode steps left without drafting
+    # the draft-length policy (policy.py)
+    draft_len: int = 0           # drafts chosen for the next step when this request last drafted
+    accept_est: Optional[list[float]] = None   # acceptance per draft position (None: the engine-wide one)
+    expected: Optional[list[float]] = None     # expected tokens emitted with 0..K drafts, from accept_est
+    accept_step: int = 0         # the policy's step count when accept_est last learnt something
+    accept_n: int = 0            # observations accept_est has learnt from
+
+    def restart(self, num_valid: int) -> None:
+        """A (re)started prefill: no drafts, no window; a reused prefix brings its MTP-cache entries too."""
+        self.drafts, self.window_hidden = [], None
+        self.num_valid, self.pending = num_valid, None
