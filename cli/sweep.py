@@ -18,7 +18,7 @@ from cli.bench import (DTYPE, EXTRA_OPTIONS, KV_FRACTION, LOG_LEVEL, MAX_NUM_TOK
 from cli.common import run_or_exit, setup_logging
 
 DEFAULT_PLOT = Path("mtp_sweep.png")
-DEFAULT_CONFIDENCE = 0.3   # derived from measured step costs and the MTP head's calibration: README, "Adaptive draft length"
+DEFAULT_CONFIDENCE = 0.3   # derived from measured step costs and the MTP head's calibration: docs/adaptive.md
 
 
 def sweep_command(
@@ -45,7 +45,7 @@ def sweep_command(
     adaptive_confidence: str = typer.Option(
         str(DEFAULT_CONFIDENCE), "--adaptive_confidence",
         help="Adaptive rows: draft_confidence_threshold, or several comma-separated (one row each per mode); "
-             "default: the value README derives for this engine."),
+             "default: the value docs/adaptive.md derives for this engine."),
     adaptive_schedule: Optional[str] = typer.Option(None, "--adaptive_schedule",
                                                     help="Adaptive rows: draft_len_schedule, e.g. 1:4,4:2,16:0."),
     adaptive_window: int = typer.Option(0, "--adaptive_window", help="Adaptive rows: acceptance_window (0 = off)."),
@@ -125,7 +125,7 @@ def sweep_command(
         del llm.engine
         base = sw.setting_config(cfg, sw.Setting("none", 0))
         mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
-        from mtp_core.speculative.adaptive import parse_schedule
+        from mtp_core.config.schedule import parse_schedule
         try:
             confidences = [float(c) for c in adaptive_confidence.split(",") if c.strip()]
         except ValueError:

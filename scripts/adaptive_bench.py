@@ -229,7 +229,7 @@ def main() -> None:
         reqs = task_requests("all", 32, args.output_tokens)
         prompts = [encode_request(tok, r) for r in reqs][:32]
         outs = [r.output_tokens for r in reqs][:32]
-        from mtp_core.speculative.adaptive import parse_schedule
+        from mtp_core.config.schedule import parse_schedule
         sched = [Setting("eagle", 3, adaptive=True, schedule=tuple(parse_schedule(s).items()))
                  for s in args.schedules.split(";")]
         settings = [Setting("none", 0)] + ([Setting("eagle", 3)] if args.batch16_fixed else []) + sched

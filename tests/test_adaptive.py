@@ -20,7 +20,8 @@ from conftest import PROMPTS, THINK_IDS, OracleDrafter, greedy, llm_config, make
 from mtp_core.config import CudaGraphConfig, SpeculativeConfig
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
-from mtp_core.speculative.adaptive import DraftPolicy, parse_schedule
+from mtp_core.config.schedule import parse_schedule
+from mtp_core.speculative.adaptive import DraftPolicy
 from mtp_core.speculative.stats import SpecStats
 
 torch.set_num_threads(1)

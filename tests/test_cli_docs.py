@@ -1,9 +1,11 @@
-"""README.md stays true: its flag table is the command's, its YAML keys are the schema's, its examples run.
+"""The docs stay true: docs/cli.md's tables are the commands' and the schema's, and every example runs.
 
-Examples: every fenced ```bash block whose first line is `# test` (exit 0 expected) or `# test: exit N`
-runs as one bash script (`set -eo pipefail`) in a fresh directory holding a copy of extra-llm-api-config.yml, with
-`DIR` replaced by a tiny checkpoint and `mtp` meaning this repository's CLI.
-Regenerate the flag table with `python tests/test_cli_docs.py`.
+docs/cli.md holds three generated parts, each between markers: the quickstart flag table (from the command's
+signature), every command's options (from its `--help`: the click parameters) and the compatibility table
+(mtp_core/config/compat.py). Regenerate them with `python tests/test_cli_docs.py` (it rewrites docs/cli.md).
+Examples: every fenced ```bash block of README.md and docs/*.md whose first line is `# test` (exit 0 expected)
+or `# test: exit N` runs as one bash script (`set -eo pipefail`) in a fresh directory holding a copy of
+extra-llm-api-config.yml, with `DIR` replaced by a tiny checkpoint and `mtp` meaning this repository's CLI.
 """
 from __future__ import annotations
 
@@ -20,9 +22,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DOC = REPO / "README.md"
+DOC = REPO / "docs" / "cli.md"
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]     # pages whose examples run
 BLOCK = re.compile(r"```bash\n# test(?::\s*exit\s+(\d+))?\n(.*?)```", re.S)
 TABLE = re.compile(r"<!-- flags:begin -->\n(.*?)<!-- flags:end -->", re.S)
+COMMANDS = re.compile(r"<!-- commands:begin -->\n(.*?)<!-- commands:end -->", re.S)
+COMPAT = re.compile(r"<!-- compat:begin -->\n(.*?)<!-- compat:end -->", re.S)
 
 
 def _value_kind(hint: typing.Any) -> str:
@@ -62,10 +67,46 @@ def flag_table() -> str:
     return "\n".join(rows) + "\n"
 
 
-def test_flag_table_is_the_commands() -> None:
-    m = TABLE.search(DOC.read_text(encoding="utf-8"))
-    assert m, "README.md lost its <!-- flags:begin --> ... <!-- flags:end --> markers"
-    assert m.group(1) == flag_table(), "flag table is stale: run `python tests/test_cli_docs.py` and paste it"
+def command_reference() -> str:
+    """Every command but quickstart (whose table is flag_table()): its help line, then each argument and option
+    as `mtp COMMAND --help` shows it (the real app's help records)."""
+    import typer.main
+
+    from cli.app import app
+
+    group = typer.main.get_command(app)
+    out = []
+    for name in sorted(group.commands):
+        if name == "quickstart":
+            continue
+        cmd = group.commands[name]
+        ctx = cmd.make_context(name, [], resilient_parsing=True)
+        out += [f"### `mtp {name}`", "", (cmd.help or "").strip(), "", "| Argument / option | Meaning |", "|---|---|"]
+        for p in cmd.params:
+            record = p.get_help_record(ctx)
+            if record is None:
+                continue
+            usage, meaning = record
+            meaning = re.sub(r"\s+", " ", meaning).replace("|", "\\|")
+            out.append(f"| `{usage}` | {meaning} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def compat_table() -> str:
+    from mtp_core.config.compat import markdown
+
+    return markdown().rstrip("\n") + "\n"
+
+
+GENERATED = [(TABLE, "flags", flag_table), (COMMANDS, "commands", command_reference), (COMPAT, "compat", compat_table)]
+
+
+@pytest.mark.parametrize("pattern,name,make", GENERATED, ids=[g[1] for g in GENERATED])
+def test_generated_tables_are_current(pattern, name, make) -> None:
+    m = pattern.search(DOC.read_text(encoding="utf-8"))
+    assert m, f"docs/cli.md lost its <!-- {name}:begin --> ... <!-- {name}:end --> markers"
+    assert m.group(1) == make(), f"docs/cli.md's {name} table is stale: run `python tests/test_cli_docs.py`"
 
 
 def test_help_shows_every_documented_flag() -> None:
@@ -97,9 +138,8 @@ def test_every_yaml_key_is_documented() -> None:
 
 
 def doc_examples() -> list[tuple[int, str]]:
-    if not DOC.is_file():
-        return []
-    return [(int(code or 0), body) for code, body in BLOCK.findall(DOC.read_text(encoding="utf-8"))]
+    return [(int(code or 0), body) for page in PAGES if page.is_file()
+            for code, body in BLOCK.findall(page.read_text(encoding="utf-8"))]
 
 
 @pytest.fixture(scope="module")
@@ -140,4 +180,8 @@ def test_doc_example_runs(index: int, example_env, tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    print(flag_table(), end="")
+    text = DOC.read_text(encoding="utf-8")
+    for pattern, name, make in GENERATED:
+        text = pattern.sub(lambda m, name=name, make=make: f"<!-- {name}:begin -->\n{make()}<!-- {name}:end -->", text)
+    DOC.write_text(text, encoding="utf-8")
+    print(f"rewrote the generated tables of {DOC.relative_to(REPO)}")

@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from .compat import GPU_MOE_BACKENDS
+from .schedule import parse_schedule
 from .schema import Flag, Rule, opt, section, validate
 
 MTP_MODES = ("auto", "eagle", "vanilla")
-DRAFT_LEN_POLICIES = ("cost", "fixed")       # = speculative/policy.py's POLICIES
+DRAFT_LEN_POLICIES = ("cost", "fixed")       # speculative/policy.py: what each one does
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "float32", "bfloat16", "float16")
 # TensorRT-LLM's MoE backends (its order); the flag lists the PyTorch one (VANILLA) first
@@ -22,8 +23,6 @@ MOE_BACKENDS = ("auto", "CUTLASS", "TRTLLM", "WIDEEP", "CUTEDSL", "DEEPGEMM", "V
 
 
 def _schedule(value: Any, who: str) -> Optional[dict[int, int]]:
-    from mtp_core.speculative.adaptive import parse_schedule   # (the CLI's --help stays light)
-
     return parse_schedule(value, who)
 
 

@@ -5,7 +5,7 @@ Main and MTP layers share one block table per sequence (same slot for the same p
 truncate rewinds every cache at once. Nothing is copied or zeroed on rewind: trailing blocks go back to
 the pool and later writes overwrite stale slots.
 
-Block reuse (prefix caching; the design and why it is exact with MTP: README "Design", "Prefix caching"):
+Block reuse (prefix caching; the design and why it is exact with MTP: docs/architecture.md, "Prefix caching"):
 a full block whose every layer is final is registered under a key (digest of the tokens from position 0
 to its end, and, with MTP caches, the token right after it). A registered block whose reference count
 drops to zero is not freed but kept in an LRU; it is evicted (unregistered and handed out) only when the

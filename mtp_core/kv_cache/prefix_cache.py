@@ -31,7 +31,7 @@ class PrefixHit:
 
 @dataclass(frozen=True)
 class ReusePolicy:
-    """What exact reuse needs from a drafting mode (see README "Prefix caching").
+    """What exact reuse needs from a drafting mode (see docs/architecture.md, "Prefix caching").
 
     mtp        the pool holds MTP caches: a block's key includes the token after it
     min_chunk  the first computed chunk after a hit is at least this long (Vanilla: K, so that its window

@@ -27,69 +27,11 @@ MTP caches will need when it drafts again.
 from __future__ import annotations
 
 import bisect
-import math
 from typing import Any, Optional
 
+from mtp_core.config.schedule import parse_schedule
 from mtp_core.speculative.mtp_state import MTPState
 from mtp_core.speculative.stats import SpecStats
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def parse_schedule(value: Any, what: str = "speculative_config.draft_len_schedule") -> Optional[dict[int, int]]:
-    """{batch size >= 1: max drafts >= 0} from a mapping, or from text like '1:4,4:2,16:0'; None stays None."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        out: dict[Any, Any] = {}
-        for part in value.replace(" ", "").split(","):
-            if not part:
-                continue
-            k, sep, v = part.partition(":")
-            if not sep:
-                raise ValueError(f"{what}: expected BATCH:K pairs like 1:4,4:2,16:0, got {part!r}")
-            try:
-                out[int(k)] = int(v)
-            except ValueError:
-                raise ValueError(f"{what}: {part!r} is not two integers BATCH:K (e.g. 4:2)") from None
-        value = out
-    if not isinstance(value, dict) or not value:
-        raise ValueError(f"{what}: expected a non-empty mapping of batch size to max drafts, e.g. "
-                         "{1: 4, 4: 2, 16: 0}")
-    for k, v in value.items():
-        if not _is_int(k) or k < 1:
-            raise ValueError(f"{what}: batch size {k!r} must be an integer >= 1")
-        if not _is_int(v) or v < 0:
-            raise ValueError(f"{what}: the entry for batch size {k} must be an integer >= 0 drafts, got {v!r}")
-    return {int(k): int(v) for k, v in sorted(value.items())}
-
-
-def validate_adaptive(spec: Any) -> None:
-    """One-line errors for the adaptive options of a SpeculativeConfig (called by its validate())."""
-    c = spec.draft_confidence_threshold
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 <= c < 1:
-        raise ValueError(f"speculative_config.draft_confidence_threshold must be in [0, 1) (0 = off), got {c!r}")
-    sched = parse_schedule(spec.draft_len_schedule)
-    if sched is not None:
-        K = spec.num_nextn_predict_layers
-        over = next(((b, k) for b, k in sched.items() if k > K), None)
-        if over is not None:
-            raise ValueError(f"speculative_config.draft_len_schedule: {over[1]} drafts at batch size {over[0]} "
-                             f"exceed max_draft_len {K}; lower the entry or raise max_draft_len")
-        spec.draft_len_schedule = sched
-    w, t = spec.acceptance_window, spec.acceptance_length_threshold
-    if not _is_int(w) or w < 0:
-        raise ValueError(f"speculative_config.acceptance_window must be an integer >= 0 (0 = off), got {w!r}")
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-        raise ValueError(f"speculative_config.acceptance_length_threshold must be a number >= 0, got {t!r}")
-    if w and not t:
-        raise ValueError("speculative_config.acceptance_window is set but acceptance_length_threshold is 0, so it "
-                         "would never pause a request; set acceptance_length_threshold (e.g. 1.5)")
-    if t and not w:
-        raise ValueError("speculative_config.acceptance_length_threshold needs acceptance_window >= 1 (the number "
-                         "of steps it averages over)")
 
 
 class DraftPolicy:

@@ -49,6 +49,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
+from mtp_core.config import DRAFT_LEN_POLICIES
 from mtp_core.speculative.acceptance import (GLOBAL_RELAX, PRIOR_ACCEPT, STALE, expected_tokens, learn, relaxed,
                                              request_expected)
 from mtp_core.speculative.adaptive import DraftPolicy
@@ -60,7 +61,6 @@ if TYPE_CHECKING:
     from mtp_core.engine.scheduler import ScheduledRow
     from mtp_core.speculative.drafter import DraftInput
 
-POLICIES = ("cost", "fixed")
 
 WARMUP_STEPS = 3           # the engine's first decode steps run cold (caches, allocator): not measured
 SETTLE = 2                 # steps of a count after a change that are not measured (the change's cost)
@@ -88,8 +88,8 @@ class DraftLenPolicy:
 
     def __init__(self, K: int, rules: Optional[DraftPolicy] = None, policy: str = "cost",
                  mtp_cost_ratio: float = 0.25, clock: Callable[[], float] = time.perf_counter) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"speculative_config.draft_len_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        if policy not in DRAFT_LEN_POLICIES:
+            raise ValueError(f"speculative_config.draft_len_policy must be one of {', '.join(DRAFT_LEN_POLICIES)}, got {policy!r}")
         self.K = K
         self.rules = rules if rules is not None else DraftPolicy(K)
         self.policy = policy if K else "fixed"
