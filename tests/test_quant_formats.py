@@ -9,7 +9,8 @@ from mtp_core.loader.quant import (Fp8BlockFormat, Nvfp4Format, detect_quant_for
                                    ignorable_tensor)
 from mtp_core.loader.quant.fp8 import (fp8_block_linear_reference, quantize_activation_per_token_group,
                                        quantize_fp8_block)
-from mtp_core.loader.quant.linear import Fp8BlockLinear, load_deep_gemm, make_fp8_linear
+from mtp_core.kernels.dispatch import load_deep_gemm
+from mtp_core.loader.quant.linear import Fp8BlockLinear, make_fp8_linear
 from mtp_core.loader.quant.nvfp4 import (pack_e2m1, quantize_nvfp4, round_to_e2m1, unpack_e2m1)
 
 torch.set_num_threads(1)

@@ -10,6 +10,7 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -237,9 +238,20 @@ def linear_target(device: torch.device) -> LinearTarget:
     return _cuda_linear_target(device.index)
 
 
+@functools.lru_cache(maxsize=1)
+def load_deep_gemm() -> ModuleType | None:
+    """The deep_gemm module, or None (logged once) when it is not installed or fails to import."""
+    try:
+        import deep_gemm  # type: ignore[import-not-found]
+    except Exception as e:  # ImportError, or a broken CUDA/JIT setup inside the package
+        log.warning("DeepGEMM not available (%s: %s); FP8 linears dequantize their weights "
+                       "instead of running FP8 GEMMs", type(e).__name__, e)
+        return None
+    return deep_gemm
+
+
 @functools.cache
 def _cuda_linear_target(index: int) -> LinearTarget:
-    from mtp_core.loader.quant.linear import load_deep_gemm   # lazy: the loader imports this module
     capability = tuple(torch.cuda.get_device_capability(index))
     scaled_mm = hasattr(F, "scaled_mm") and hasattr(F, "ScalingType") and all(
         hasattr(F.ScalingType, n) for n in ("BlockWise1x128", "BlockWise128x128", "BlockWise1x16"))

@@ -15,7 +15,6 @@ development (scripts/gpu_check.sh runs their tests on a GPU).
 
 from __future__ import annotations
 
-import functools
 import logging
 from types import ModuleType
 
@@ -95,6 +94,7 @@ class Fp8BlockLinear(_KernelChoice, torch.nn.Module):
         # per token per 128 channels, scale = max(amax, 1e-4) / 448 (DeepSeek-V3 / DeepGEMM's recipe)
         x_fp8, x_scale = quantize_activation_per_token_group(x2, self.block_size[1])     # [M, K], [M, K/128]
         if kernel == "fp8_deep_gemm":
+            from mtp_core.kernels.dispatch import load_deep_gemm
             out = torch.empty(x2.shape[0], self.out_features, dtype=torch.bfloat16, device=x.device)
             _deep_gemm_nt(load_deep_gemm())((x_fp8, x_scale), (self.weight_fp8, self.weight_scale_inv), out)
         else:   # fp8_scaled_mm: cuBLASLt block scaling; 1x128 scales outer-dim-major, 128x128 as [K/128, N/128]
@@ -209,18 +209,6 @@ def dense_linear(weight: torch.Tensor, device: torch.device | str | None = None)
     linear.weight = torch.nn.Parameter(weight.to(device) if device is not None else weight,
                                        requires_grad=False)
     return linear
-
-
-@functools.lru_cache(maxsize=1)
-def load_deep_gemm() -> ModuleType | None:
-    """The deep_gemm module, or None (logged once) when it is not installed or fails to import."""
-    try:
-        import deep_gemm  # type: ignore[import-not-found]
-    except Exception as e:  # ImportError, or a broken CUDA/JIT setup inside the package
-        logger.warning("DeepGEMM not available (%s: %s); FP8 linears dequantize their weights "
-                       "instead of running FP8 GEMMs", type(e).__name__, e)
-        return None
-    return deep_gemm
 
 
 def deep_gemm_supported(device: torch.device, shape: tuple[int, int],
