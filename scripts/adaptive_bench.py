@@ -114,11 +114,11 @@ def calibration(model, base, eos, think, prompts, outs) -> dict:
     probs: list[float] = []
     orig = dmod._MTPRunner.draft
 
-    def draft(self, g):
+    def draft(self, g, with_prob):
         logits = self.path.logits(g).float()
         p, d = torch.softmax(logits, -1).max(-1)
         probs.extend(p.tolist())
-        return d.tolist()
+        return d.tolist(), (p.tolist() if with_prob else None)
     dmod._MTPRunner.draft = draft
     pairs: list[tuple[float, bool]] = []
     try:

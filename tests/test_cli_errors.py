@@ -175,7 +175,9 @@ def test_bad_yaml(ckpt: Path, tmp_path: Path, yaml_text: str, needles: tuple[str
     (["--mtp_mode", "sideways"], ("--mtp_mode", "sideways")),
     (["--max_tokens", "-3"], ("--max_tokens must be >= 1, got -3",)),
     (["--prompt", "-"], ("stdin",)),                         # stdin holds only blank lines
-], ids=["unknown_flag", "bad_int", "bad_choice", "negative_max_tokens", "blank_stdin"])
+    (["--spec_decode_algo", "MTP", "--use_mtp_vanilla", "--mtp_mode", "eagle"],
+     ("--use_mtp_vanilla contradicts --mtp_mode eagle",)),   # worded in flags, as the YAML rule is in keys
+], ids=["unknown_flag", "bad_int", "bad_choice", "negative_max_tokens", "blank_stdin", "vanilla_vs_eagle"])
 def test_bad_flags(ckpt: Path, args: list[str], needles: tuple[str, ...]) -> None:
     prompt = [] if "--prompt" in args else ["--prompt", "hi"]
     assert_error(mtp("quickstart", "--model_dir", str(ckpt), *prompt, *args, stdin="\n  \n"), 2, *needles)

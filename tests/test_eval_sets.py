@@ -8,7 +8,7 @@ import pytest
 from mtp_core.bench.dataset import task_requests
 from mtp_core.bench.eval_sets import accuracy_records, eval_records, general_chunks, read_manifest
 from mtp_factory.data import FAMILIES, TARGET_SETS, general_text
-from mtp_factory.data import eval_records as factory_records
+from mtp_factory.data import generate_eval_records as factory_records
 
 
 def test_manifest_names_the_factorys_sets_in_order() -> None:

@@ -445,3 +445,15 @@ def test_repo_example_loads():
     assert 0 < new.kv_cache_config.free_gpu_memory_fraction <= 1
     assert new.cuda_graph_config is not None and new.cuda_graph_config.batch_sizes
     assert lines == []
+
+
+def test_the_python_api_takes_the_yaml_spellings_and_an_empty_size_list() -> None:
+    """One validation for every route: the Python API normalises a value as the YAML loader does (case of a
+    choice), and its empty list of graph sizes means the default sizes, as it always did."""
+    from mtp_core.config import CudaGraphConfig, LLMConfig, MoeConfig
+
+    cfg = LLMConfig(moe_config=MoeConfig(backend="vanilla"), cuda_graph_config=CudaGraphConfig(batch_sizes=[]))
+    cfg.validate()
+    assert cfg.moe_config.backend == "VANILLA" and cfg.cuda_graph_config.batch_sizes is None
+    with pytest.raises(ValueError, match="moe_config.backend"):
+        LLMConfig(moe_config=MoeConfig(backend="fastest")).validate()

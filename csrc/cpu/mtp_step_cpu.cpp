@@ -1,5 +1,5 @@
 // The MTP decode step in one native call (mtp_core::mtp_step): the CPU twin of the static (CUDA-graph)
-// step of mtp_core/engine/graph_runner.py, with the same contract, for greedy strict rows. MTP Eagle:
+// step of mtp_core/engine/static_step.py, with the same contract, for greedy strict rows. MTP Eagle:
 //
 //   target  = model([t, d_1..d_k])       row b feeds k_b drafts at positions start..start+k_b (main KV written)
 //   m       = accepted drafts            d_{i+1} == argmax(logits_i), first index on ties (torch's argmax)

@@ -22,10 +22,6 @@ KV_CACHE_DTYPES = ("auto", "fp8", "float32", "bfloat16", "float16")
 MOE_BACKENDS = ("auto", "CUTLASS", "TRTLLM", "WIDEEP", "CUTEDSL", "DEEPGEMM", "VANILLA", "TRITON")
 
 
-def _schedule(value: Any, who: str) -> Optional[dict[int, int]]:
-    return parse_schedule(value, who)
-
-
 def _moe_backend(name: str) -> str:
     return "auto" if name.lower() == "auto" else name.upper()
 
@@ -41,7 +37,8 @@ class SpeculativeConfig:
     """MTP speculative decoding: K drafts per step, how they are accepted, how many a step verifies."""
     RULES: ClassVar[tuple[Rule, ...]] = (
         Rule("use_mtp_vanilla", lambda s: {} if s.use_mtp_vanilla and s.mtp_mode == "eagle" else None,
-             "{at}use_mtp_vanilla=true contradicts mtp_mode=eagle; set one of them"),
+             "{at}use_mtp_vanilla=true contradicts mtp_mode=eagle; set one of them",
+             "{flag[use_mtp_vanilla]} contradicts {flag[mtp_mode]} eagle; give one of them"),
         Rule("draft_len_schedule", _schedule_over_k,
              "{at}draft_len_schedule: {drafts} drafts at batch size {batch} exceed max_draft_len {K}; lower the entry "
              "or raise max_draft_len",
@@ -95,7 +92,7 @@ class SpeculativeConfig:
                     message="{who} must be in [0, 1) (0 = off), got {value!r}"),))
     draft_len_schedule: Optional[dict[int, int]] = opt(
         None, "Max drafts per batch size, BATCH:K pairs, e.g. 1:4,4:2,16:0 (from that many requests in flight on).",
-        parse=_schedule, allowed="a mapping of batch size >= 1 to max drafts >= 0, e.g. {1: 4, 4: 2, 16: 0}",
+        parse=parse_schedule, allowed="a mapping of batch size >= 1 to max drafts >= 0, e.g. {1: 4, 4: 2, 16: 0}",
         flags=(Flag("--spec_decode_draft_len_schedule", brief="Max drafts per batch size, e.g. 1:4,4:2,16:0.",
                     type=Optional[str], to_field=lambda text: text or None),))
     acceptance_window: int = opt(

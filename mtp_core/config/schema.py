@@ -218,7 +218,12 @@ def validate(obj: Any, at: str = "", flag_words: bool = False) -> None:
         if e.kind == "section":
             if value is not None:
                 validate(value, f"{at}{e.name}.", flag_words)
+        elif value == [] and e.nullable:     # the Python API's empty list is unset (YAML refuses it when read)
+            setattr(obj, e.name, None)
         elif e.spec.ok is not None or e.spec.parse is not None:
+            if isinstance(value, str) and e.spec.norm is not _same:   # the spelling YAML would give it ('vanilla')
+                value = e.spec.norm(value)
+                setattr(obj, e.name, value)
             checked = check(e, value, at + e.name)
             if e.spec.parse is not None:
                 setattr(obj, e.name, checked)

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 
 from mtp_core.config import LLMConfig
-from mtp_core.engine.model_runner import ModelRunner, TargetOutput
+from mtp_core.engine.model_runner import ModelRunner, TargetOutput, verify_rows
 from mtp_core.engine.overlap import OverlapScheduler
 from mtp_core.engine.scheduler import ScheduledRow, Scheduler
 from mtp_core.engine.sequence import Sequence
@@ -41,7 +41,7 @@ from mtp_core.speculative.adaptive import DraftPolicy
 from mtp_core.model.forward_path import serving_forward
 from mtp_core.speculative.policy import DraftLenPolicy
 from mtp_core.speculative.stats import SpecStats
-from mtp_core.speculative.verifier import VerifyResult, verify_rows
+from mtp_core.speculative.verifier import VerifyResult
 from mtp_core.structured import GrammarBackend
 
 log = logging.getLogger("mtp.engine")
@@ -174,8 +174,10 @@ class Engine:
         """The speculative-decoding statistics of every request so far: each request's own (seq.stats), summed
         (the finished ones' by the scheduler when they finished)."""
         total, sch = SpecStats(), self.scheduler
-        for s in (sch.finished_stats, *(q.stats for q in (*sch.running, *sch.waiting))):
-            total.merge(s)
+        total.merge(sch.finished_stats)
+        for q in (*sch.running, *sch.waiting):
+            if q.stats.num_steps:          # a request that has not run a step has nothing to add
+                total.merge(q.stats)
         return total
 
     # ---- the step ------------------------------------------------------------------------

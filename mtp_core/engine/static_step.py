@@ -98,10 +98,12 @@ def verify_static(logits: torch.Tensor, drafts: torch.Tensor, thinking: torch.Te
 class StaticDecodeStep:
     """Buffers and the static computation for one batch size B (see the module docstring)."""
 
-    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int, batch_size: int,
-                 max_blocks: int, tokens_per_block: int, scratch_block: int,
+    def __init__(self, model: DeepseekV3ForCausalLM, head: ForwardPath, caches: list[torch.Tensor], K: int,
+                 batch_size: int, max_blocks: int, tokens_per_block: int, scratch_block: int,
                  relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
-        self.model, self.caches, self.K, self.B = model, caches, K, batch_size
+        # head: the engine's forward path, whose LM head the step uses (the torch one on a GPU; on a CPU with the
+        # native decoder its batch-invariant head, so the static step scores tokens as the eager steps do)
+        self.model, self.head, self.caches, self.K, self.B = model, head, caches, K, batch_size
         self.bs, self.scratch, self.relaxed = tokens_per_block, scratch_block, relaxed
         B, Q = batch_size, K + 1
         # inputs
@@ -137,12 +139,12 @@ class StaticDecodeStep:
 
     def forward(self) -> None:
         """The step over the input buffers: the model's torch modules over device-only metadata (every MoE dense:
-        AttentionMetadata.static_shapes), so a CUDA graph can capture it."""
+        AttentionMetadata.static_shapes) and the engine's LM head, so a CUDA graph can capture it."""
         model, caches, K = self.model, self.caches, self.K
         positions = self.start[:, None] + self.offsets                          # [B, K+1]
         meta = self._meta(positions)
         hidden = model(self.input_ids.flatten(), meta, caches)                  # [B*(K+1), H]
-        logits = model.compute_logits(hidden).view(self.B, K + 1, -1)
+        logits = self.head.logits(hidden).view(self.B, K + 1, -1)
         m, emitted = self._verify(logits)
         self.emitted.copy_(emitted)
         self.num_emitted.copy_(m + 1)
@@ -151,12 +153,12 @@ class StaticDecodeStep:
         # Eagle forward 1 over every position: (x_{q+1}, h_q) entries, the valid ones are q <= start+m
         g = model.mtp_forward(0, emitted.flatten(), hidden, meta, caches).view(self.B, K + 1, -1)
         g = g[self.rows, m]                                                     # [B, H] at q = start+m
-        d = model.compute_logits(g).argmax(-1)
+        d = self.head.logits(g).argmax(-1)
         self.drafts[:, 0].copy_(d)
         for j in range(1, K):
             pos = (self.start + m + j)[:, None]                                 # [B, 1]
             g = model.mtp_forward(0, d, g, self._meta(pos), caches)
-            d = model.compute_logits(g).argmax(-1)
+            d = self.head.logits(g).argmax(-1)
             self.drafts[:, j].copy_(d)
 
     # ---- host side ---------------------------------------------------------------------------
@@ -217,11 +219,11 @@ class StaticDecodeStep:
 class GraphRunner:
     """One StaticDecodeStep per captured batch size; picks the smallest that holds a batch."""
 
-    def __init__(self, model: DeepseekV3ForCausalLM, caches: list[torch.Tensor], K: int, batch_sizes: list[int],
-                 enable_padding: bool, max_blocks: int, tokens_per_block: int, scratch_block: int,
-                 relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
+    def __init__(self, model: DeepseekV3ForCausalLM, head: ForwardPath, caches: list[torch.Tensor], K: int,
+                 batch_sizes: list[int], enable_padding: bool, max_blocks: int, tokens_per_block: int,
+                 scratch_block: int, relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
         self.K, self.enable_padding = K, enable_padding
-        self.steps = {b: StaticDecodeStep(model, caches, K, b, max_blocks, tokens_per_block, scratch_block,
+        self.steps = {b: StaticDecodeStep(model, head, caches, K, b, max_blocks, tokens_per_block, scratch_block,
                                           relaxed, device) for b in sorted(set(batch_sizes))}
         self.num_replays = 0
         if device.type == "cuda":
@@ -263,7 +265,7 @@ def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMC
         blocks.reserve(scratch, 1)            # padded rows read and write only this block, forever
         sizes = [b for b in (cg.batch_sizes or default_batch_sizes(cg.max_batch_size or cfg.max_batch_size))
                  if b <= cfg.max_batch_size]
-        graphs = GraphRunner(model, caches, K, sizes, cg.enable_padding, blocks.blocks_for(max_seq_len + 2 * K),
+        graphs = GraphRunner(model, path, caches, K, sizes, cg.enable_padding, blocks.blocks_for(max_seq_len + 2 * K),
                              blocks.tokens_per_block, scratch[0],
                              relaxed if relaxed and relaxed[0] > 1 and relaxed[1] > 0 else None,
                              torch.device(cfg.device))

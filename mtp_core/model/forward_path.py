@@ -9,7 +9,7 @@ serving forward the engine runs (target, MTP modules, LM head).
 
 Both offer the same three calls, so the runner, the drafters and the benches never ask which one they hold.
 The static (CUDA-graph) step is the third way a step can run: `GraphRunner` runs the torch modules over
-device-only metadata (`AttentionMetadata.uniform`, every MoE dense), whichever path eager steps take.
+device-only metadata (`AttentionMetadata.uniform`, every MoE dense) and the engine's LM head.
 """
 from __future__ import annotations
 

@@ -98,12 +98,5 @@ def sum_stats(stats: list[Optional[SpecStats]]) -> Optional[SpecStats]:
         return stats[0] if stats else None
     tot = SpecStats()
     for s in stats:
-        tot.num_steps += s.num_steps
-        tot.num_output_tokens += s.num_output_tokens
-        tot.num_draft_proposed += s.num_draft_proposed
-        tot.num_draft_accepted += s.num_draft_accepted
-        for name in ("proposed_per_position", "accepted_per_position"):
-            a, b = list(getattr(tot, name)), list(getattr(s, name))
-            a += [0] * (len(b) - len(a))
-            setattr(tot, name, [x + (b[i] if i < len(b) else 0) for i, x in enumerate(a)])
+        tot.merge(s)
     return tot

@@ -13,6 +13,7 @@ A request's life here: `register` (before its Add is sent) -> events -> a final 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -241,20 +242,15 @@ class OutputProcessor:
                 pass
 
 
-_BYTE_OF: Optional[dict[str, int]] = None
-
-
+@functools.cache
 def _byte_of() -> dict[str, int]:
     """Byte-level BPE's alphabet -> the byte each character stands for: printable Latin-1 bytes stand for
     themselves, the other 68 bytes for the characters from U+0100 on, in byte order."""
-    global _BYTE_OF
-    if _BYTE_OF is None:
-        same = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-        table = {chr(b): b for b in same}
-        shifted = [b for b in range(256) if b not in table.values()]
-        table.update({chr(0x100 + n): b for n, b in enumerate(shifted)})
-        _BYTE_OF = table
-    return _BYTE_OF
+    same = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in same}
+    shifted = [b for b in range(256) if b not in table.values()]
+    table.update({chr(0x100 + n): b for n, b in enumerate(shifted)})
+    return table
 
 
 def _token_bytes(tok: Any, i: int) -> list[int]:

@@ -1,7 +1,7 @@
 """Acceptance statistics (TensorRT-LLM calls AL the "acceptance rate"; here AL = tokens / steps)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 
 @dataclass
@@ -36,14 +36,14 @@ class SpecStats:
 
     def merge(self, other: "SpecStats") -> None:
         """Adds other's counts to these (histograms element-wise, the shorter one padded with zeros)."""
-        for f in fields(self):
-            a, b = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(a, list):
-                n = max(len(a), len(b))
-                a, b = a + [0] * (n - len(a)), b + [0] * (n - len(b))
-                setattr(self, f.name, [x + y for x, y in zip(a, b)])
-            else:
-                setattr(self, f.name, a + b)
+        for name in _COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in _HISTOGRAMS:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if len(mine) < len(theirs):
+                mine.extend([0] * (len(theirs) - len(mine)))
+            for i, n in enumerate(theirs):
+                mine[i] += n
 
     @property
     def acceptance_length(self) -> float:
@@ -91,3 +91,8 @@ def _bump(hist: list[int], i: int, by: int = 1) -> None:
     if len(hist) <= i:
         hist += [0] * (i + 1 - len(hist))
     hist[i] += by
+
+
+# merge() walks these (read once from the fields: a counter is an int, a histogram a list)
+_COUNTS = tuple(f.name for f in fields(SpecStats) if f.default_factory is MISSING)
+_HISTOGRAMS = tuple(f.name for f in fields(SpecStats) if f.default_factory is not MISSING)

@@ -202,7 +202,3 @@ def make_batch(cache: Cache, step: int, o: FinetuneOptions) -> dict[str, torch.T
         val[b, :w], idx[b, :w] = cache.top_val[a:a + w], cache.top_idx[a:a + w]
         valid[b, :w] = True
     return {"ids": ids, "hidden": hid.float(), "top_val": val, "top_idx": idx, "valid": valid}
-
-
-# ---- training -------------------------------------------------------------------------------------------
-

@@ -3,9 +3,9 @@ training stream (`dataset`), the held-out sets written beside the model (`eval_s
 from mtp_factory.data.dataset import (
     FAMILIES, Example, describe_data, estimate_predictability, example_for, sample_example, training_texts,
 )
-from mtp_factory.data.eval_sets import TARGET_SETS, eval_records, write_eval_sets, write_shipped_eval
+from mtp_factory.data.eval_sets import TARGET_SETS, generate_eval_records, write_eval_sets, write_shipped_eval
 
 __all__ = [
-    "FAMILIES", "TARGET_SETS", "Example", "describe_data", "estimate_predictability", "eval_records", "example_for",
-    "sample_example", "training_texts", "write_eval_sets", "write_shipped_eval",
+    "FAMILIES", "TARGET_SETS", "Example", "describe_data", "estimate_predictability", "example_for",
+    "generate_eval_records", "sample_example", "training_texts", "write_eval_sets", "write_shipped_eval",
 ]

@@ -22,8 +22,8 @@ TARGET_SETS = (("add_3digit", "add", 3),)
 SHIPPED_PER_SET, SHIPPED_SEED = 50, 1234
 
 
-def eval_records(family: str, per_family: int = SHIPPED_PER_SET, seed: int = SHIPPED_SEED,
-                 operand_digits: int | None = None, task: str | None = None) -> list[dict]:
+def generate_eval_records(family: str, per_family: int = SHIPPED_PER_SET, seed: int = SHIPPED_SEED,
+                          operand_digits: int | None = None, task: str | None = None) -> list[dict]:
     """`per_family` distinct held-out questions of `family` (distinct canonical operands); with
     `operand_digits`, only questions whose integer operands all have that many digits (records then carry
     `task`, e.g. "add_3digit")."""
@@ -67,8 +67,9 @@ def write_eval_sets(out_dir: Path, per_family: int = SHIPPED_PER_SET, seed: int 
     `out_dir`; returns the paths in that order."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    sets = [(family, eval_records(family, per_family, seed)) for family in FAMILIES]
-    sets += [(name, eval_records(family, per_family, seed, digits, name)) for name, family, digits in TARGET_SETS]
+    sets = [(family, generate_eval_records(family, per_family, seed)) for family in FAMILIES]
+    sets += [(name, generate_eval_records(family, per_family, seed, digits, name))
+             for name, family, digits in TARGET_SETS]
     paths = []
     for name, records in sets:
         path = out / f"eval_{name}.jsonl"
