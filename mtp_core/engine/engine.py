@@ -225,25 +225,23 @@ class Engine:
         """The target forward and verification: the fused step where the batch allows (it drafts too), else the
         general path. A request whose logits the engine must see (logprobs, penalties) takes the general path;
         the forward is batch-invariant, so its tokens and every other row's are the same as on the fused steps."""
-        fused = run_fused(self.graphs or self.native_step, rows) if not self._needs_logits(rows) else None
+        needs_logits = any(r.seq.params.needs_logits for r in rows)
+        fused = run_fused(self.graphs or self.native_step, rows) if not needs_logits else None
         if fused is not None:
             tokens, drafts = fused
             return StepOutput(rows, VerifyResult(tokens), None, {r.seq.request_id: d for r, d in zip(rows, drafts)})
-        out, verified = self._target(rows, meta)
+        out, verified = self._target(rows, meta, needs_logits)
         return StepOutput(rows, verified, out)
 
-    def _target(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]) -> tuple[TargetOutput, VerifyResult]:
+    def _target(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata], needs_logits: bool
+                ) -> tuple[TargetOutput, VerifyResult]:
         """The general path's target forward and verification: one native call where the batch allows
         (NativeStep.target), else runner.execute and the verifier."""
-        if self.native_step is not None and not self._needs_logits(rows) and self.native_step.can_verify(rows):
+        if self.native_step is not None and not needs_logits and self.native_step.can_verify(rows):
             tokens, hidden = self.native_step.target(rows)
             return TargetOutput(hidden, [None] * len(rows)), VerifyResult(tokens)
         out = self.runner.execute(rows, meta)
         return out, self._verify(rows, out)
-
-    @staticmethod
-    def _needs_logits(rows: list[ScheduledRow]) -> bool:
-        return any(r.seq.params.needs_logits for r in rows)
 
     def _verify(self, rows: list[ScheduledRow], out: TargetOutput) -> VerifyResult:
         return verify_rows(rows, out, self.eos_token_ids, self.relaxed, self.think_ids, self.grammars)
