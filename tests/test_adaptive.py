@@ -45,9 +45,9 @@ def record_rows(eng) -> list[list[int]]:
     log: list[list[int]] = []
     execute = eng._target          # the target step, native (one call) or the runner's
 
-    def recording(rows, meta=None):
+    def recording(rows, meta=None, *rest):
         log.append([len(r.token_ids) - 1 for r in rows if not r.is_prefill])
-        return execute(rows, meta)
+        return execute(rows, meta, *rest)
     eng._target = recording
     if eng.native_step is not None:      # the whole step in one native call bypasses _target
         run = eng.native_step.run
