@@ -71,6 +71,8 @@ class LLM:
         """Release the engine, the weights and the KV cache now (also what deleting the LLM does, at the next
         garbage collection)."""
         self._unfreeze()
+        if self.engine is not None:
+            self.engine.close()
         self.engine = self.model = None
         gc.collect()
 

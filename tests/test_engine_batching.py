@@ -281,3 +281,22 @@ def test_engine_random_acceptance_patterns(tiny1_model, K, tpb, batch, pattern, 
         assert held + eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert [s.output_ids for s in seqs] == [reference(model, p, 20)[:n] for p, n in zip(prompts, lengths)]
     assert_pool_clean(eng)
+
+
+def test_close_stops_the_overlap_worker(tiny1_dir, make_llm):
+    """close() joins the overlap scheduler's worker thread at once, even while something still holds the
+    engine (without it the thread lives until the engine is garbage-collected)."""
+    import threading
+
+    def workers() -> int:
+        return sum(t.name.startswith("mtp-overlap") and t.is_alive() for t in threading.enumerate())
+
+    before = workers()
+    llm = make_llm(tiny1_dir, nextn=2, mode="eagle")
+    assert llm.engine.overlap
+    llm.generate(["a b"], greedy(6))
+    assert workers() == before + 1
+    engine = llm.engine
+    llm.close()
+    assert workers() == before
+    assert engine.overlap

@@ -332,6 +332,11 @@ class Engine:
             self.iter_log(f"iter {self.num_steps}: batch {len(rows)} ({sum(r.is_prefill for r in rows)} prefill), "
                           f"tokens {ntok}, accepted drafts {acc}, step {1e3 * (time.perf_counter() - t0):.2f} ms")
 
+    def close(self) -> None:
+        """Stops the overlap scheduler's worker thread; the engine takes no more steps after this."""
+        if self._overlap is not None:
+            self._overlap.close()
+
     def reset_prefix_cache(self) -> None:
         """Drop every unreferenced cached block and zero the hit statistics (e.g. after a warm-up)."""
         self.blocks.clear_cache()

@@ -26,6 +26,11 @@ class OverlapScheduler:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="mtp-overlap")
         self.prepared: Optional[Prepared] = None     # the next step, prepared ahead (None: schedule it then)
 
+    def close(self) -> None:
+        """Stops the worker thread (it is idle between steps; the engine calls this when it is closed)."""
+        self.prepared = None
+        self._executor.shutdown(wait=True)
+
     def take(self) -> Optional[Prepared]:
         prepared, self.prepared = self.prepared, None
         return prepared
