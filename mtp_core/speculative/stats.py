@@ -22,9 +22,13 @@ class SpecStats:
         self.num_output_tokens += num_emitted
         self.num_draft_proposed += num_proposed
         self.num_draft_accepted += num_accepted
+        proposed, accepted = self.proposed_per_position, self.accepted_per_position
+        for hist in (proposed, accepted):
+            if len(hist) < num_proposed:
+                hist += [0] * (num_proposed - len(hist))
         for i in range(num_proposed):
-            _bump(self.proposed_per_position, i)
-            _bump(self.accepted_per_position, i, int(i < num_accepted))
+            proposed[i] += 1
+            accepted[i] += i < num_accepted
 
     def record_decode(self, num_proposed: int) -> None:
         """One decode step of one request that verified num_proposed drafts (0..K)."""
@@ -87,10 +91,10 @@ class SpecStats:
         ]
 
 
-def _bump(hist: list[int], i: int, by: int = 1) -> None:
+def _bump(hist: list[int], i: int) -> None:
     if len(hist) <= i:
         hist += [0] * (i + 1 - len(hist))
-    hist[i] += by
+    hist[i] += 1
 
 
 # merge() walks these (read once from the fields: a counter is an int, a histogram a list)
