@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from mtp_core.config import LLMConfig, SpeculativeConfig
-from mtp_core.bench.eval_sets import load_eval_set
+from mtp_core.bench.eval_sets import eval_records
 from mtp_core.llm import LLM
 from mtp_core.sampling import SamplingParams
 
 torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
 ASSET = Path(__file__).resolve().parent.parent / "mtp_core" / "assets" / "tiny-r1"
-prompts = [load_eval_set(ASSET / f"eval/eval_{f}.jsonl")[0]["prompt"] for f in ("add", "sort", "count")]
+prompts = [eval_records(f, 1, ASSET / "eval")[0]["prompt"] for f in ("add", "sort", "count")]
 result = {}
 for K, mode in ((0, "auto"), (3, "eagle"), (3, "vanilla")):
     spec = SpeculativeConfig(num_nextn_predict_layers=K, mtp_mode=mode, draft_len_policy="fixed") if K else None
