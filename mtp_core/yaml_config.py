@@ -36,7 +36,6 @@ def _section_keys(section: Entry) -> dict[str, Entry]:
 
 TOP = {e.name: e for e in entries(LLMConfig) if e.spec.yaml}                      # key -> field
 KEYS = {name: _section_keys(e) for name, e in TOP.items() if e.kind == "section"}  # section -> key -> field
-ALIASES = {(c.target[0], c.key): c.target for c in rows("alias") if len(c.target) == 2}
 OLD = {c.key: c for c in rows("old")}
 OLD_FLAT = tuple(k for k in OLD if k not in TOP)  # also accepted at the top level (0.20/0.21)
 IGNORED = {c.name: c for c in rows("ignored") if not c.name.startswith("--")}   # booleans, all of them
@@ -171,11 +170,13 @@ def _entry_at(canon: tuple) -> Entry:
 
 
 def _collect(options: Any) -> tuple[dict[tuple, Assign], list[str]]:
-    """Validate every key; returns new-path -> assignment, and deprecation warnings."""
+    """Validate every key; returns new-path -> assignment, and the notes: deprecated spellings, then keys that
+    have no effect here (checked, never applied)."""
     if not isinstance(options, dict):
         raise ConfigError(f"top level: expected a mapping of keys, got {_describe(options)}")
     out: dict[tuple, Assign] = {}
     warnings: list[str] = []
+    ignored: list[str] = []
     for key, raw in options.items():
         if key == OLD_SECTION:
             if not isinstance(raw, dict):
@@ -187,14 +188,15 @@ def _collect(options: Any) -> tuple[dict[tuple, Assign], list[str]]:
         elif key in OLD_FLAT:
             _collect_old(key, key, raw, out, warnings)
         elif key in IGNORED:
-            _put(out, (key,), (key, raw, _check_leaf(_BOOL, raw, key)))
+            _check_leaf(_BOOL, raw, key)
+            ignored.append(warning_text(IGNORED[key], path=key, value=_show(raw)))
         elif key not in TOP:
             raise _unknown(str(key), key, [*TOP, *IGNORED, OLD_SECTION])
         elif TOP[key].kind != "section":
             _put(out, (key,), (key, raw, _check_leaf(TOP[key], raw, key)))
         else:
             _collect_section(key, TOP[key], raw, out)
-    return out, warnings
+    return out, warnings + ignored
 
 
 def _collect_section(key: str, section: Entry, raw: Any, out: dict[tuple, Assign]) -> None:
@@ -212,7 +214,7 @@ def _collect_section(key: str, section: Entry, raw: Any, out: dict[tuple, Assign
         path = f"{key}.{sub}"
         if sub not in keys:
             raise _unknown(path, sub, list(keys))
-        canon = ALIASES.get((key, sub), (key, sub))
+        canon = (key, keys[sub].name)            # an alias names its field's key
         _put(out, canon, (path, sub_raw, _check_leaf(keys[sub], sub_raw, path)))
 
 
@@ -238,9 +240,6 @@ def apply_yaml_options(cfg: LLMConfig, options: dict, explicit_flags: dict[str, 
             value = out[(name,)][2]
             setattr(new, name, None if value is None else getattr(new, name) or TOP[name].spec.section())
     for canon, (path, raw, value) in out.items():
-        if canon[0] in IGNORED:
-            lines.append(warning_text(IGNORED[canon[0]], path=path, value=_show(raw)))
-            continue
         if len(canon) == 1 and canon[0] in switched:
             continue
         obj = new if len(canon) == 1 else getattr(new, canon[0])
@@ -266,8 +265,6 @@ def _flag_text(flag: str, v: object) -> str:
 def _override_lines(out: dict[tuple, Assign], explicit: dict[str, object]) -> list[str]:
     lines = []
     for canon, (path, raw, value) in out.items():
-        if canon[0] in IGNORED:
-            continue
         entry = _entry_at(canon)
         groups = [flag_keys(entry)]
         if entry.kind == "section" and value is None:   # null wipes every flag of the section
