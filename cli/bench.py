@@ -6,7 +6,6 @@ the same numbers as JSON. Exit codes: 0 ok, 2 usage/config error, 1 runtime erro
 """
 from __future__ import annotations
 
-import inspect
 import json
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any, Optional
 import typer
 
 from cli.common import run_or_exit, setup_logging
-from cli.options import brief_option, plain
+from cli.options import brief_option, explicit_params, plain
 
 # engine flags shared with `mtp sweep`, in their brief form (quickstart's names; declared by the config schema)
 MODEL_DIR = brief_option("model_dir")
@@ -30,33 +29,13 @@ WARMUP = typer.Option(2, "--warmup", help="Requests run before measuring (not re
 REPORT_JSON = typer.Option(None, "--report_json", help="Write the report as JSON to this file.")
 
 
-def explicit_flags(ctx: typer.Context) -> dict[str, Any]:
-    return {p.name: ctx.params[p.name] for p in ctx.command.params
-            if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"}
-
-
-def quickstart_defaults() -> dict[str, Any]:
-    """Every quickstart flag's default, so the shared config builder sees the flags bench lacks."""
-    from cli.quickstart import quickstart_command
-
-    out = {}
-    for name, prm in inspect.signature(quickstart_command).parameters.items():
-        d = getattr(prm.default, "default", prm.default)
-        if d is not inspect.Parameter.empty and d is not ...:
-            out[name] = plain(d)
-    return out
-
-
 def llm_config(p: dict[str, Any], explicit: dict[str, Any], max_batch_size: int, spec_algo: Optional[str] = None):
     """LLMConfig from bench/sweep flags via quickstart's builder (flags the command lacks take their defaults)."""
     from cli.common import build_llm_config
 
-    full = quickstart_defaults()
-    full.update({k: plain(v) for k, v in p.items() if k in full})
+    full = {k: plain(v) for k, v in p.items()}
     full.update(spec_decode_algo=spec_algo, max_batch_size=max_batch_size)
-    cfg = build_llm_config(full, explicit)
-    cfg.num_threads = p.get("num_threads")
-    return cfg
+    return build_llm_config(full, explicit)
 
 
 def set_threads(num_threads: Optional[int]) -> None:
@@ -130,7 +109,7 @@ def bench_command(
         if base_url is not None:
             return _run_http(ctx, base_url, dataset, num_requests, concurrency, warmup, ignore_eos, report_json,
                              request_json, api_key)
-        if "api_key" in explicit_flags(ctx):
+        if "api_key" in explicit_params(ctx):
             raise ValueError("--api_key is for a server; use it with --base_url")
         from mtp_core.bench.dataset import encode_request, load_dataset
         from mtp_core.bench.metrics import decode_acceptance_length, decode_step_time_s
@@ -149,7 +128,7 @@ def bench_command(
         in_file = len(requests)
         requests = requests[:num_requests] if num_requests else requests
         batch = max_batch_size if max_batch_size is not None else (concurrency if concurrency > 0 else 8)
-        cfg = llm_config(ctx.params, explicit_flags(ctx), batch, spec_decode_algo)
+        cfg = llm_config(ctx.params, explicit_params(ctx), batch, spec_decode_algo)
         llm = LLM(cfg, iter_log=None)
         prompts = [encode_request(llm.tokenizer, r) for r in requests]
         outs = [r.output_tokens for r in requests]
@@ -198,7 +177,7 @@ def _run_http(ctx: typer.Context, base_url: str, dataset: Path, num_requests: in
     from mtp_core.bench.progress import request_progress
     from mtp_core.bench.report import dataset_info, format_report
 
-    engine_only = [f for f in explicit_flags(ctx) if f not in (
+    engine_only = [f for f in explicit_params(ctx) if f not in (
         "dataset", "num_requests", "concurrency", "warmup", "ignore_eos", "report_json", "request_json",
         "log_level", "base_url", "num_threads", "streaming", "api_key")]   # over HTTP every request streams
     if engine_only:

@@ -83,6 +83,6 @@ def plain(value: Any) -> Any:
 
 
 def explicit_params(ctx: typer.Context) -> dict[str, Any]:
-    """The options typed on the command line, by key, with their values (plain)."""
-    return {name: plain(value) for name, value in ctx.params.items()
-            if getattr(ctx.get_parameter_source(name), "name", None) == "COMMANDLINE"}
+    """The options typed on the command line, by key, with their values (plain), in the command's order."""
+    return {p.name: plain(ctx.params[p.name]) for p in ctx.command.params
+            if getattr(ctx.get_parameter_source(p.name), "name", None) == "COMMANDLINE"}

@@ -14,8 +14,9 @@ from typing import Optional
 import typer
 
 from cli.bench import (DTYPE, EXTRA_OPTIONS, KV_FRACTION, LOG_LEVEL, MAX_NUM_TOKENS, MAX_SEQ_LEN, MODEL_DIR,
-                       NUM_THREADS, REPORT_JSON, explicit_flags, llm_config, set_threads, write_json)
+                       NUM_THREADS, REPORT_JSON, llm_config, set_threads, write_json)
 from cli.common import run_or_exit, setup_logging
+from cli.options import explicit_params
 
 DEFAULT_PLOT = Path("mtp_sweep.png")
 DEFAULT_CONFIDENCE = 0.3   # derived from measured step costs and the MTP head's calibration: docs/adaptive.md
@@ -86,7 +87,7 @@ def sweep_command(
 
         set_threads(num_threads)
         want_plot = not no_plot
-        explicit_plot = "plot" in explicit_flags(ctx)
+        explicit_plot = "plot" in explicit_params(ctx)
         if want_plot:
             try:
                 from mtp_core.bench.plot import require_matplotlib
@@ -117,7 +118,7 @@ def sweep_command(
         requests = requests[:num_requests]
         own = ("relaxed_topk", "relaxed_delta")        # the sweep's relaxed setting, not an engine flag here
         cfg = llm_config({k: v for k, v in ctx.params.items() if k not in own},
-                         {k: v for k, v in explicit_flags(ctx).items() if k not in own},
+                         {k: v for k, v in explicit_params(ctx).items() if k not in own},
                          max(concurrency, accuracy_concurrency if accuracy else 1, 1))
         llm = LLM(cfg)
         model, tok = llm.model, llm.tokenizer

@@ -475,11 +475,9 @@ TestPrefixLifecycle = PrefixLifecycle.TestCase
 # ---- configuration, statistics, datasets ---------------------------------------------------------
 
 def test_flag_and_yaml_key_turn_reuse_off(tmp_path, tiny1_model):
-    from cli.bench import quickstart_defaults
     from cli.common import build_llm_config
 
-    p = quickstart_defaults()
-    p["model_dir"] = "x"
+    p = {"model_dir": "x"}             # every other flag absent: its default
     assert build_llm_config(p, {}).kv_cache_config.enable_block_reuse is True          # default on
     assert build_llm_config({**p, "disable_kv_cache_reuse": True}, {}).kv_cache_config.enable_block_reuse is False
     y = tmp_path / "o.yml"
