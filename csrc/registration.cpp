@@ -30,15 +30,18 @@ TORCH_LIBRARY(mtp_core, m) {
 
 extern "C" const char* mtp_core_cpu_isa();
 extern "C" int mtp_core_cpu_amx();
+extern "C" int mtp_core_cpu_bf16_dot();
 
 static PyObject* cpu_isa(PyObject*, PyObject*) { return PyUnicode_FromString(mtp_core_cpu_isa()); }
 static PyObject* cpu_amx(PyObject*, PyObject*) { return PyBool_FromLong(mtp_core_cpu_amx()); }
+static PyObject* cpu_bf16_dot(PyObject*, PyObject*) { return PyBool_FromLong(mtp_core_cpu_bf16_dot()); }
 
 // `import mtp_core._C` loads this library and with it the registrations; the module has cpu_isa().
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"cpu_isa", cpu_isa, METH_NOARGS, "The instruction set the native CPU decode kernels use."},
       {"cpu_amx", cpu_amx, METH_NOARGS, "AMX tiles are usable by this process (CPU and kernel)."},
+      {"cpu_bf16_dot", cpu_bf16_dot, METH_NOARGS, "The CPU has AVX512-BF16 dot products (and VBMI)."},
       {nullptr, nullptr, 0, nullptr}};
   static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module);

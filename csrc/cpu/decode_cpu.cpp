@@ -34,6 +34,7 @@
 #include <torch/library.h>
 
 #include "amx_gemm.h"
+#include "dot_gemm.h"
 #include "decode_forward.h"
 #include "decode_kernels.h"
 #include "decode_weights.h"
@@ -54,8 +55,11 @@ const KernelTable* pick_table() {
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                       __builtin_cpu_supports("fma");
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if ((want == "auto" || want == "avx512") && avx512) return cpu::kernels_avx512();
-  if ((want == "auto" || want == "avx512" || want == "avx2") && avx2) return cpu::kernels_avx2();
+  // amx / avx512 / avx512f differ in which matrices take the AMX tiles or the bf16 dot products (decided
+  // in Python, dims.amx / dims.bf16_dot); the table itself is the same AVX-512 one
+  const bool any512 = want == "auto" || want == "amx" || want == "avx512" || want == "avx512f";
+  if (any512 && avx512) return cpu::kernels_avx512();
+  if ((any512 || want == "avx2") && avx2) return cpu::kernels_avx2();
   return cpu::kernels_generic();
 }
 
@@ -64,14 +68,20 @@ const KernelTable& K() {
   return *table;
 }
 
-// Every projection goes through here: the AMX tile GEMM for the matrices marked for it, the table's otherwise.
+// Every projection goes through here: the AMX tile GEMM or the bf16 dot-product GEMM for the matrices marked for
+// them, the table's (fp32 activations) otherwise.
 inline void run_gemm(const Mat& M, const Rows& X, int64_t n0, int64_t n1, float* Y, int64_t ldy, float* scratch) {
   if (M.amx) {
     cpu::amx_gemm(M, X, n0, n1, Y, ldy);
+  } else if (M.dot) {
+    cpu::dot_gemm(M, X, n0, n1, Y, ldy);
   } else {
     K().gemm(M, X, n0, n1, Y, ldy, scratch);
   }
 }
+
+// Per thread: activations rounded for the bf16 dot products, reused within one op (ffn_up).
+thread_local cpu::DotActs tl_acts;
 
 template <typename T>
 std::unique_ptr<T[]> buf(int64_t n) {
@@ -186,13 +196,17 @@ struct Forward {
     }
     {   // attention: (token, group of 4 heads) items
       const int64_t groups = (nh + 3) / 4;
-      const auto [i0, i1] = tm.split(T * groups);
+      const auto visible_of = [&](int64_t t) {
+        const int64_t r = b.row_of[t];
+        return b.ctx[r] - (b.qstart[r + 1] - b.qstart[r]) + (t - b.qstart[r]) + 1;
+      };
+      // balanced by the keys each item reads (a prefill's later tokens see more of them)
+      const auto [i0, i1] = tm.split_cost(T * groups, [&](int64_t i) { return visible_of(i / groups) + 16; });
       const auto st = cache.scalar_type();
       const int ctype = st == at::kBFloat16 ? cpu::kBF16 : st == at::kFloat8_e4m3fn ? cpu::kFP8 : cpu::kF32;
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = i / groups, h0 = (i % groups) * 4, h1 = std::min(nh, h0 + 4);
-        const int64_t r = b.row_of[t], nq = b.qstart[r + 1] - b.qstart[r];
-        const int64_t visible = b.ctx[r] - nq + (t - b.qstart[r]) + 1;
+        const int64_t r = b.row_of[t], visible = visible_of(t);
         K().attention(qlat + t * qlat_ld, nh, h0, h1, R, P, cache.data_ptr(), ctype, b.page,
                       b.tables + r * b.max_blocks, visible, d.scale, w.olat.get() + t * nh * R, att_scratch);
       }
@@ -223,10 +237,18 @@ struct Forward {
 
   // ---- feed-forward -------------------------------------------------------------------------------
   // gate/up rows [i0, i1) of f over X into g/u (row stride ldo), and act = silu(g) * u for them.
+  // acts: a per-thread buffer of X rounded for the bf16 dot products, filled when `fresh` (the caller fills it
+  // once per expert and reuses it over the expert's chunks); null or not dot matrices: converted per call.
   static void ffn_up(const FFNW& f, const Rows& X, int64_t i0, int64_t i1, float* g, float* u, float* act,
-                     int64_t ldo, float* scratch) {
-    run_gemm(f.gate, X, i0, i1, g, ldo, scratch);
-    run_gemm(f.up, X, i0, i1, u, ldo, scratch);
+                     int64_t ldo, float* scratch, cpu::DotActs* acts = nullptr, bool fresh = true) {
+    if (acts && f.gate.dot && f.up.dot && f.gate.fmt == f.up.fmt) {
+      if (fresh) acts->fill(X, f.gate.k, f.gate.fmt);
+      cpu::dot_gemm(f.gate, *acts, i0, i1, g, ldo);
+      cpu::dot_gemm(f.up, *acts, i0, i1, u, ldo);
+    } else {
+      run_gemm(f.gate, X, i0, i1, g, ldo, scratch);
+      run_gemm(f.up, X, i0, i1, u, ldo, scratch);
+    }
     for (int64_t t = 0; t < X.T; ++t) K().silu_mul(g + t * ldo + i0, u + t * ldo + i0, i1 - i0, act + t * ldo + i0);
   }
 
@@ -235,7 +257,7 @@ struct Forward {
     const Rows hx{w.h.get(), H, nullptr, T};
     {
       const auto [i0, i1] = tm.split(I, cpu::gemm_align(f.gate));
-      ffn_up(f, hx, i0, i1, w.g.get(), w.u.get(), w.act.get(), I, scratch);
+      ffn_up(f, hx, i0, i1, w.g.get(), w.u.get(), w.act.get(), I, scratch, &tl_acts);
     }
     tm.sync();
     const auto [n0, n1] = tm.split(H, cpu::gemm_align(f.down));
@@ -330,17 +352,24 @@ struct Forward {
     const int64_t chunk = std::max<int64_t>(32, cpu::gemm_align(na ? L.experts[w.active[0]].gate : L.shared.gate));
     const int64_t per_e = (I + chunk - 1) / chunk, per_s = (Is + chunk - 1) / chunk;
     {
-      const auto [i0, i1] = tm.split(na * per_e + per_s);
+      // balanced by work (an expert's chunk costs its token count; a prefill routes very unevenly)
+      const auto [i0, i1] = tm.split_cost(na * per_e + per_s, [&](int64_t i) {
+        return i < na * per_e ? w.first[i / per_e + 1] - w.first[i / per_e] : T;
+      });
+      int64_t held = -1;   // the expert (na: the shared one) whose rounded activations tl_acts holds
       for (int64_t i = i0; i < i1; ++i) {
         if (i < na * per_e) {
           const int64_t a = i / per_e, c0 = (i % per_e) * chunk, c1 = std::min(I, c0 + chunk);
           const FFNW& f = L.experts[w.active[a]];
           const int64_t off = w.first[a];
           const Rows X{w.h.get(), H, w.tokens.data() + off, w.first[a + 1] - off};
-          ffn_up(f, X, c0, c1, w.g.get() + off * I, w.u.get() + off * I, w.act.get() + off * I, I, scratch);
+          ffn_up(f, X, c0, c1, w.g.get() + off * I, w.u.get() + off * I, w.act.get() + off * I, I, scratch,
+                 &tl_acts, held != a);
+          held = a;
         } else {
           const int64_t c0 = (i - na * per_e) * chunk, c1 = std::min(Is, c0 + chunk);
-          ffn_up(L.shared, hx, c0, c1, w.gs.get(), w.us.get(), w.acts.get(), Is, scratch);
+          ffn_up(L.shared, hx, c0, c1, w.gs.get(), w.us.get(), w.acts.get(), Is, scratch, &tl_acts, held != na);
+          held = na;
         }
       }
     }
@@ -414,7 +443,16 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
     q_n = std::max(q_n, W.layers()[l].q_b.defined() ? W.layers()[l].q_b.n : 0);
   }
   w.q_in_ld = q_in_n;
-  const int64_t I = std::max<int64_t>(W.max_inter(), 1), k = std::max<int64_t>(d.top_k, 1);
+  // FFN buffers sized by what these layers run: the dense MLP over T tokens, the experts over T * top_k
+  // (token, expert) pairs, the shared expert over T
+  int64_t I_dense = 1, I_exp = 1, I_sh = 1;
+  for (int64_t l = first_layer; l < first_layer + num_layers; ++l) {
+    const LayerW& L = W.layers()[l];
+    if (L.mlp.defined()) I_dense = std::max(I_dense, L.mlp.inter);
+    if (!L.experts.empty()) I_exp = std::max(I_exp, L.experts[0].inter);
+    if (L.shared.defined()) I_sh = std::max(I_sh, L.shared.inter);
+  }
+  const int64_t k = std::max<int64_t>(d.top_k, 1);
   w.x = buf<float>(T * H);
   w.h = buf<float>(T * H);
   w.aq = buf<float>(T * q_in_n);
@@ -425,13 +463,13 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
   w.olat = buf<float>(T * nh * R);
   w.v = buf<float>(T * nh * d.dv);
   w.out = buf<float>(T * H);
-  const int64_t pairs = std::max(T * k, T);
-  w.g = buf<float>(std::max(pairs * 2 * I, 2 * T * H));
-  w.u = buf<float>(pairs * I);
-  w.act = buf<float>(pairs * I);
-  w.gs = buf<float>(T * I * 2);
-  w.us = buf<float>(T * I * 2);
-  w.acts = buf<float>(T * I * 2);
+  const int64_t ffn = std::max(T * k * I_exp, T * I_dense);
+  w.g = buf<float>(std::max(ffn, 2 * T * H));   // also the MTP prologue's [enorm | hnorm]
+  w.u = buf<float>(ffn);
+  w.act = buf<float>(ffn);
+  w.gs = buf<float>(T * I_sh);
+  w.us = buf<float>(T * I_sh);
+  w.acts = buf<float>(T * I_sh);
   w.logits = buf<float>(T * std::max<int64_t>(d.experts, 1));
   w.wts = buf<float>(T * k);
   w.idx = buf<int32_t>(T * k);
@@ -565,7 +603,7 @@ at::Tensor decode_forward_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, 
               " with ", caches.size(), " caches");
   Batch b;
   check_batch(d, ids, positions, slot_mapping, query_start, block_tables, seqlens, rope_cos, rope_sin, caches, b);
-  const int64_t T = b.T, H = d.H, R = d.R, P = d.P, nh = d.heads;
+  const int64_t T = b.T, H = d.H;
   const bool mtp = W.layers()[first_layer].eh_proj.defined();
   at::Tensor hid;
   if (mtp) {
@@ -594,7 +632,7 @@ at::Tensor decode_logits_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, c
 // the quantized linears' CPU path and the kernels' parity tests.
 at::Tensor mat_gemm_cpu(const at::Tensor& x, const at::Tensor& data, const std::optional<at::Tensor>& scale,
                         const std::optional<at::Tensor>& gscale, const std::optional<at::Tensor>& bias, int64_t layout,
-                        int64_t fmt, int64_t n, int64_t k, int64_t scale_r0, double gscale2, bool amx) {
+                        int64_t fmt, int64_t n, int64_t k, int64_t scale_r0, double gscale2, bool amx, bool dot) {
   c10::Dict<std::string, at::Tensor> t;
   c10::Dict<std::string, int64_t> i;
   c10::Dict<std::string, double> f;
@@ -615,6 +653,10 @@ at::Tensor mat_gemm_cpu(const at::Tensor& x, const at::Tensor& data, const std::
   TORCH_CHECK(!amx || (cpu::amx_usable() && cpu::amx_takes(M)), "mat_gemm: amx needs an AMX CPU and a bf16 row-wise "
               "matrix with k a multiple of 32");
   M.amx = amx;
+  TORCH_CHECK(!dot || (cpu::dot_usable() && cpu::dot_takes(M)), "mat_gemm: dot needs a CPU with AVX512-BF16 and a "
+              "row-wise bf16 / fp8 / nvfp4 matrix");
+  TORCH_CHECK(!(amx && dot), "mat_gemm: amx and dot exclude each other");
+  M.dot = dot;
   const int64_t T = xf.size(0);
   at::Tensor y = at::empty({T, n}, xf.options());
   if (T == 0) return y;
@@ -634,6 +676,7 @@ at::Tensor mat_gemm_cpu(const at::Tensor& x, const at::Tensor& data, const std::
 
 extern "C" const char* mtp_core_cpu_isa() { return mtp_core::K().isa; }
 extern "C" int mtp_core_cpu_amx() { return mtp_core::cpu::amx_usable() ? 1 : 0; }
+extern "C" int mtp_core_cpu_bf16_dot() { return mtp_core::cpu::dot_usable() ? 1 : 0; }
 
 TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
   // The model's weights for the native forward, built once (decode_weights.h; mtp_core/model/native_weights.py).
@@ -654,7 +697,7 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
   // x [T, k] -> [T, n] float32, with the forward's kernels.
   m.def(
       "mat_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? gscale, Tensor? bias, int layout, int fmt, int n, "
-      "int k, int scale_r0, float gscale2, bool amx=False) -> Tensor");
+      "int k, int scale_r0, float gscale2, bool amx=False, bool dot=False) -> Tensor");
   // The MTP decode step in one call (greedy, strict; mtp_step_cpu.cpp): target forward over each row's
   // [t, d_1..d_k], verification, then for the rows with num_drafts[b] > 0 Eagle (num_modules 1: forward 1 over
   // the positions from mtp_valid[b] and the chained drafts) or Vanilla (num_modules K: module k over the row's

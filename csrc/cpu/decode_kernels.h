@@ -47,6 +47,7 @@ struct Mat {
   float gscale2 = 1.f;              // kNVFP4: the global scale times 256
   const float* bias = nullptr;      // [N] or null
   bool amx = false;                 // served by amx_gemm (amx_gemm.h): bf16 activations, AMX tiles
+  bool dot = false;                 // served by dot_gemm (dot_gemm.h): bf16 activations, AVX512-BF16 dot products
   bool defined() const { return data != nullptr; }
 };
 
@@ -83,7 +84,7 @@ struct KernelTable {
 
 // Output granularity of a layout (n0 of a split must be a multiple of it), and gemm's scratch need.
 inline int64_t gemm_align(const Mat& W) {
-  return W.amx ? 16 : W.layout == kPanel ? 64 : W.layout == kCols ? 64 : 8;
+  return W.amx ? 16 : W.dot ? 8 : W.layout == kPanel ? 64 : W.layout == kCols ? 64 : 8;
 }
 inline int64_t gemm_scratch(const Mat& W) { return W.layout == kRows ? 8 * (W.k + 32) : 0; }
 

@@ -2,6 +2,7 @@
 #include "decode_weights.h"
 
 #include "amx_gemm.h"
+#include "dot_gemm.h"
 
 #include <sstream>
 
@@ -49,6 +50,8 @@ cpu::Mat DecodeWeights::mat(const std::string& name, bool required) {
   cpu::Mat m = parse_mat(tensors_, ints_, floats_, name, required, &bytes_);
   m.amx = use_amx_ && m.defined() && cpu::amx_takes(m);
   num_amx_ += m.amx;
+  m.dot = use_dot_ && m.defined() && !m.amx && cpu::dot_takes(m);
+  num_dot_ += m.dot;
   max_scratch_ = std::max(max_scratch_, cpu::gemm_scratch(m));
   return m;
 }
@@ -158,6 +161,8 @@ DecodeWeights::DecodeWeights(c10::Dict<std::string, at::Tensor> tensors, c10::Di
   d_.eps = F("eps"); d_.scale = F("softmax_scale"); d_.routed_scale = F("routed_scale");
   use_amx_ = get_int(ints_, "dims.amx", 0) != 0;
   TORCH_CHECK(!use_amx_ || cpu::amx_usable(), "DecodeWeights: dims.amx set but this CPU / kernel has no AMX");
+  use_dot_ = get_int(ints_, "dims.bf16_dot", 0) != 0;
+  TORCH_CHECK(!use_dot_ || cpu::dot_usable(), "DecodeWeights: dims.bf16_dot set but this CPU has no AVX512-BF16");
   TORCH_CHECK(d_.P % 2 == 0 && d_.heads > 0 && d_.H > 0, "DecodeWeights: bad dims");
   TORCH_CHECK(d_.groups >= 1 && d_.groups <= 256 && d_.experts <= 1024 &&
                   (d_.experts == 0 || d_.experts % d_.groups == 0) && d_.top_k <= d_.experts,
@@ -238,6 +243,7 @@ std::string DecodeWeights::summary() const {
     << ", attention " << (l0.absorbed() ? "pre-absorbed" : "absorbed at run time") << ", "
     << fmt_name((l0.mlp.defined() ? l0.mlp.down : l0.q_in).fmt) << " weights, " << bytes_ / (1 << 20) << " MiB";
   if (num_amx_) s << ", " << num_amx_ << " matrices on AMX tiles (bf16 activations)";
+  if (num_dot_) s << ", " << num_dot_ << " matrices on AVX512-BF16 dot products (bf16 activations)";
   return s.str();
 }
 

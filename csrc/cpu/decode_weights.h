@@ -91,8 +91,8 @@ class DecodeWeights : public torch::CustomClassHolder {
   NormW embed_, final_norm_;
   cpu::Mat lm_head_;
   int64_t max_scratch_ = 0, max_inter_ = 0;
-  int64_t bytes_ = 0, num_amx_ = 0;
-  bool use_amx_ = false;
+  int64_t bytes_ = 0, num_amx_ = 0, num_dot_ = 0;
+  bool use_amx_ = false, use_dot_ = false;
 };
 
 }  // namespace mtp_core

@@ -47,6 +47,28 @@ class Team {
     return {std::min(n, b * align), std::min(n, e * align)};
   }
 
+  // This member's share [begin, end) of n items of unequal cost (cost(i) >= 0, integer): contiguous, each
+  // member's items summing to about 1/size of the total (the first item whose cost prefix reaches the
+  // member's start). Every member computes the same prefixes, so the shares tile [0, n) exactly.
+  template <typename C>
+  std::pair<int64_t, int64_t> split_cost(int64_t n, const C& cost) const {
+    if (size_ == 1) return {0, n};
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; ++i) total += cost(i);
+    // item i starts member m's share when prefix(i) * size >= total * m (the first such i)
+    int64_t b = -1, e = n, prefix = 0;
+    for (int64_t i = 0; i <= n; ++i) {
+      if (b < 0 && prefix * size_ >= total * rank_) b = i;
+      if (prefix * size_ >= total * (rank_ + 1) && rank_ + 1 < size_) {
+        e = i;
+        break;
+      }
+      if (i < n) prefix += cost(i);
+    }
+    if (b < 0) b = n;
+    return {b, std::max(b, e)};
+  }
+
   void sync() {
     if (size_ == 1) return;
     const int gen = s_.generation.load(std::memory_order_relaxed);

@@ -183,12 +183,23 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 
 
 def cpu_amx() -> bool:
-    """AMX tiles are usable (CPU, kernel permission) and not capped off by MTP_CORE_CPU_ISA (avx512, avx2 or
-    generic turn them off; auto and amx keep them): the native forward then runs bf16 weights' GEMMs on them."""
+    """AMX tiles are usable (CPU, kernel permission) and not capped off by MTP_CORE_CPU_ISA (avx512, avx512f,
+    avx2 or generic turn them off; auto and amx keep them): the native forward then runs bf16 weights' GEMMs
+    on them."""
     if not native_ops().cpu or os.environ.get("MTP_CORE_CPU_ISA", "auto") not in ("auto", "amx"):
         return False
     import mtp_core._C as _C
     return bool(_C.cpu_amx())
+
+
+def cpu_bf16_dot() -> bool:
+    """The CPU has AVX512-BF16 dot products (and VBMI) and MTP_CORE_CPU_ISA does not cap them off (auto, amx
+    and avx512 keep them; avx512f, avx2 and generic turn them off): the native forward then runs the direct
+    layout's bf16 / FP8 / NVFP4 row-wise matrices that AMX does not take on them, with bf16 activations."""
+    if not native_ops().cpu or os.environ.get("MTP_CORE_CPU_ISA", "auto") not in ("auto", "amx", "avx512"):
+        return False
+    import mtp_core._C as _C
+    return bool(_C.cpu_bf16_dot())
 
 
 def cpu_isa() -> str:
@@ -200,17 +211,18 @@ def cpu_isa() -> str:
     return _C.cpu_isa()
 
 
-def mat_gemm(x: torch.Tensor, m, amx: bool = False) -> torch.Tensor:
+def mat_gemm(x: torch.Tensor, m, amx: bool = False, dot: bool = False) -> torch.Tensor:
     """x [T, m.k] @ W^T (+ bias) -> float32 [T, m.n] for a native_weights.Matrix of any layout / format, with
     the native forward's kernels on CPU (batch-invariant: each output reduced in an order independent of T).
-    amx: the AMX tile GEMM (bf16 row-wise weights; x rounded to bf16), where cpu_amx()."""
+    amx: the AMX tile GEMM (bf16 row-wise weights; x rounded to bf16), where cpu_amx(); dot: the AVX512-BF16
+    dot-product GEMM (row-wise bf16 / FP8 / NVFP4 weights; x rounded to bf16), where cpu_bf16_dot()."""
     if x.dim() != 2 or x.shape[1] != m.k:
         raise ValueError(f"mat_gemm: x must be [T, {m.k}], got {tuple(x.shape)}")
     if native_ops().cpu and x.device.type == "cpu":
         return torch.ops.mtp_core.mat_gemm(x, m.data, m.scale, m.gscale, m.bias, m.layout, m.fmt, m.n, m.k,
-                                           m.scale_r0, m.gscale2, amx)
+                                           m.scale_r0, m.gscale2, amx, dot)
     note_fallback("mat_gemm", f"{x.device}: no native op")
-    return mat_gemm_ref(x, m, amx)
+    return mat_gemm_ref(x, m, amx, dot)
 
 
 # ---- which kernel serves a quantized linear ---------------------------------------------------

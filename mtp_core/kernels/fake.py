@@ -35,7 +35,7 @@ def register_fakes() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("mtp_core::mat_gemm")
-    def _mat_gemm(x, data, scale, gscale, bias, layout, fmt, n, k, scale_r0, gscale2, amx=False) -> torch.Tensor:
+    def _mat_gemm(x, data, scale, gscale, bias, layout, fmt, n, k, scale_r0, gscale2, amx=False, dot=False) -> torch.Tensor:
         return x.new_empty((x.shape[0], n), dtype=torch.float32)                       # [T, n]
 
     @torch.library.register_fake("mtp_core::nvfp4_quantize")

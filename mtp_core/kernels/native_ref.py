@@ -23,20 +23,21 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_ref(x, w.float(), eps)                       # x is fp32 here: fp32 arithmetic throughout
 
 
-def _lin(x: torch.Tensor, m, amx: bool) -> torch.Tensor:
-    """x @ W^T + b; amx: the matrices the AMX tiles serve see bf16-rounded activations."""
-    from mtp_core.model.native_weights import amx_takes
-    if amx and amx_takes(m):
+def _lin(x: torch.Tensor, m, acts: dict) -> torch.Tensor:
+    """x @ W^T + b; the matrices the AMX tiles or the bf16 dot products serve (acts: the dims' "amx" and
+    "bf16_dot" switches) see bf16-rounded activations."""
+    from mtp_core.model.native_weights import bf16_acts
+    if bf16_acts(m, acts):
         x = x.bfloat16().float()
     return F.linear(x, m.dense(), m.bias)
 
 
-def _mlp(x: torch.Tensor, f, amx: bool) -> torch.Tensor:
-    return _lin(F.silu(_lin(x, f.gate, amx)) * _lin(x, f.up, amx), f.down, amx)
+def _mlp(x: torch.Tensor, f, acts: dict) -> torch.Tensor:
+    return _lin(F.silu(_lin(x, f.gate, acts)) * _lin(x, f.up, acts), f.down, acts)
 
 
 def _route(h: torch.Tensor, layer, d: dict, routed_scale: float):
-    scores = _lin(h, layer.router, False).sigmoid()
+    scores = _lin(h, layer.router, {}).sigmoid()
     choice = scores + layer.router_bias.float()
     T, E = scores.shape
     if d["groups"] > 1:
@@ -72,7 +73,7 @@ def _attention(q: torch.Tensor, cache: torch.Tensor, R: int, query_start: list[i
 def decode_forward_ref(weights, first_layer: int, num_layers: int, ids, mtp_hidden, caches, rope_cos, rope_sin,
                        positions, slot_mapping, query_start, block_tables, seqlens, final_norm: bool) -> torch.Tensor:
     d, prm = weights.dims, weights.params
-    amx = bool(d.get("amx"))
+    acts = d   # the switches of the bf16-activation kernels (see _lin)
     eps, scale = prm["eps"], prm["softmax_scale"]
     H, R, P, nh, dn = d["hidden"], d["kv_lora"], d["rope"], d["heads"], d["nope"]
     qs, lens = query_start.tolist(), seqlens.tolist()
@@ -84,37 +85,37 @@ def decode_forward_ref(weights, first_layer: int, num_layers: int, ids, mtp_hidd
     for layer, cache in zip(weights.layers[first_layer:first_layer + num_layers], caches):
         if layer.eh_proj is not None:
             h = mtp_hidden.float()
-            x = _lin(torch.cat([_norm(x, layer.enorm, eps), _norm(h, layer.hnorm, eps)], -1), layer.eh_proj, amx)
+            x = _lin(torch.cat([_norm(x, layer.enorm, eps), _norm(h, layer.hnorm, eps)], -1), layer.eh_proj, acts)
         h = _norm(x, layer.in_norm, eps)
-        q = _lin(h, layer.q_in, amx)
+        q = _lin(h, layer.q_in, acts)
         if d["q_lora"]:
-            q = _lin(_norm(q, layer.q_a_norm, eps), layer.q_b, amx)
-        kv_raw = _lin(h, layer.kv_a, amx)
+            q = _lin(_norm(q, layer.q_a_norm, eps), layer.q_b, acts)
+        kv_raw = _lin(h, layer.kv_a, acts)
         absorbed = not layer.uk
         q = q.reshape(T, nh, -1)
         q_pe = rope_ref(q[..., -P:], cos, sin, inter)
         if absorbed:
             q_lat = q[..., :R]
         else:
-            q_lat = torch.stack([_lin(q[:, hh, :dn], layer.uk[hh], amx) for hh in range(nh)], 1)   # [T, nh, R]
+            q_lat = torch.stack([_lin(q[:, hh, :dn], layer.uk[hh], acts) for hh in range(nh)], 1)   # [T, nh, R]
         q = torch.cat([q_lat, q_pe], -1)
         kv = torch.cat([_norm(kv_raw[:, :R], layer.kv_norm, eps), rope_ref(kv_raw[:, R:], cos, sin, inter)], -1)
         write_slots(cache, slot_mapping, kv)
         o = _attention(q, cache, R, qs, block_tables, lens, scale)                  # [T, nh, R]
         if not absorbed:
-            o = torch.stack([_lin(o[:, hh], layer.uv[hh], amx) for hh in range(nh)], 1)   # [T, nh, dv]
-        x = x + _lin(o.reshape(T, -1), layer.o, amx)
+            o = torch.stack([_lin(o[:, hh], layer.uv[hh], acts) for hh in range(nh)], 1)   # [T, nh, dv]
+        x = x + _lin(o.reshape(T, -1), layer.o, acts)
         h = _norm(x, layer.post_norm, eps)
         if layer.mlp is not None:
-            x = x + _mlp(h, layer.mlp, amx)
+            x = x + _mlp(h, layer.mlp, acts)
         else:
             wts, idx = _route(h, layer, d, prm["routed_scale"])
             out = torch.zeros_like(h)
             for e in sorted(set(idx.flatten().tolist())):
                 tok, slot = (idx == e).nonzero(as_tuple=True)
-                out.index_add_(0, tok, _mlp(h[tok], layer.experts[e], amx) * wts[tok, slot, None])
+                out.index_add_(0, tok, _mlp(h[tok], layer.experts[e], acts) * wts[tok, slot, None])
             if layer.shared is not None:
-                out = out + _mlp(h, layer.shared, amx)
+                out = out + _mlp(h, layer.shared, acts)
             x = x + out
         if layer.head_norm is not None:
             x = _norm(x, layer.head_norm, eps)
@@ -122,8 +123,8 @@ def decode_forward_ref(weights, first_layer: int, num_layers: int, ids, mtp_hidd
 
 
 def decode_logits_ref(weights, hidden: torch.Tensor) -> torch.Tensor:
-    return _lin(hidden.float(), weights.lm_head, bool(weights.dims.get("amx")))
+    return _lin(hidden.float(), weights.lm_head, weights.dims)
 
 
-def mat_gemm_ref(x: torch.Tensor, m, amx: bool = False) -> torch.Tensor:
-    return _lin(x.float(), m, amx)
+def mat_gemm_ref(x: torch.Tensor, m, amx: bool = False, dot: bool = False) -> torch.Tensor:
+    return _lin(x.float(), m, {"amx": int(amx), "bf16_dot": int(dot)})

@@ -230,10 +230,21 @@ def amx_takes(m: Matrix) -> bool:
     return m.layout == ROWS and m.fmt == BF16 and m.k % 32 == 0
 
 
+def dot_takes(m: Matrix) -> bool:
+    """csrc/cpu/dot_gemm.h: dot_takes."""
+    return m.layout == ROWS and m.fmt in (BF16, FP8, NVFP4)
+
+
+def bf16_acts(m: Matrix, dims: dict) -> bool:
+    """Whether the native forward rounds this matrix's activations to bf16: it runs on the AMX tiles
+    (dims["amx"]) or on the AVX512-BF16 dot products (dims["bf16_dot"]); every other matrix sees fp32."""
+    return bool((dims.get("amx") and amx_takes(m)) or (dims.get("bf16_dot") and dot_takes(m)))
+
+
 @dataclass
 class NativeWeights:
     layout: str                     # "direct" | "packed"
-    dims: dict[str, int]            # dims["amx"]: bf16 row-wise matrices on AMX tiles
+    dims: dict[str, int]            # dims["amx"] / ["bf16_dot"]: row-wise matrices on AMX tiles / bf16 dot products
     params: dict[str, float]
     embed: torch.Tensor
     final_norm: torch.Tensor
@@ -340,6 +351,7 @@ def build_native_weights(model: nn.Module, layout: str) -> NativeWeights:
                   routed_scale=float(cfg.routed_scaling_factor or 1.0))
     pack = layout == "packed"
     dims["amx"] = int(not pack and kernels.cpu_amx())
+    dims["bf16_dot"] = int(not pack and kernels.cpu_bf16_dot())
     if pack and not all(layer.self_attn.decode_weights is not None or layer.self_attn.fuse_for_decode()
                         for layer in model.model.layers):
         raise ValueError("the packed native layout needs plain fp32/bf16 attention whose absorbed weights at most "
