@@ -100,14 +100,62 @@ void rope_inplace(float* x, int64_t dim, const float* c, const float* s, bool in
   std::memcpy(x, tmp, sizeof(float) * dim);
 }
 
+// A slice of the call's arena (below).
+template <typename T>
+struct Buf {
+  T* p = nullptr;
+  T* get() const { return p; }
+  T& operator[](int64_t i) const { return p[i]; }
+};
+
+// The work buffers of a forward call, one block per calling thread, kept from call to call up to kArenaKeep
+// bytes: memory fresh from the kernel costs a page fault and a zeroing per 4 KiB (6% of a 512-token prefill
+// at Moonlight's widths, measured), a decode step's buffers are a few hundred KiB, and a call that needs more
+// than the cap (a long prefill chunk) frees its block when it ends.
+class Arena {
+ public:
+  static constexpr size_t kArenaKeep = size_t(192) << 20;
+  // Hands out consecutive 64-byte aligned slices of `counts` elements (the sizes of the call, in order).
+  void reserve(size_t bytes) {
+    if (bytes > cap_) {
+      std::free(base_);
+      base_ = static_cast<char*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64));
+      TORCH_CHECK(base_ != nullptr, "decode_forward: out of memory for ", bytes, " bytes of work buffers");
+      cap_ = (bytes + 63) / 64 * 64;
+    }
+    used_ = 0;
+  }
+  template <typename T>
+  static size_t bytes(int64_t n) { return (static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(T) + 63) / 64 * 64; }
+  template <typename T>
+  Buf<T> take(int64_t n) {
+    Buf<T> b{reinterpret_cast<T*>(base_ + used_)};
+    used_ += bytes<T>(n);
+    return b;
+  }
+  void release_if_large() {
+    if (cap_ > kArenaKeep) {
+      std::free(base_);
+      base_ = nullptr;
+      cap_ = 0;
+    }
+  }
+  ~Arena() { std::free(base_); }
+
+ private:
+  char* base_ = nullptr;
+  size_t cap_ = 0, used_ = 0;
+};
+thread_local Arena tl_arena;
+
 // Work buffers of one call, shared by the team (each member writes only its own share of them).
 struct Work {
   int64_t T;
-  std::unique_ptr<float[]> x, h, aq, akv, qc, q, qlat, olat, v, out;
-  std::unique_ptr<float[]> g, u, act;                 // dense MLP / routed experts [pairs, I], shared [T, Is]
-  std::unique_ptr<float[]> gs, us, acts;
-  std::unique_ptr<float[]> logits, wts;               // router
-  std::unique_ptr<int32_t[]> idx;
+  Buf<float> x, h, aq, akv, qc, q, qlat, olat, v, out;
+  Buf<float> g, u, act;                 // dense MLP / routed experts [pairs, I], shared [T, Is]
+  Buf<float> gs, us, acts;
+  Buf<float> logits, wts;               // router
+  Buf<int32_t> idx;
   // routing result: experts in ascending id with their tokens (pair rows into act) and weights
   std::vector<int32_t> active, first, tokens;         // tokens of active[i] at tokens[first[i]..first[i+1])
   std::vector<float> weight;                          // parallel to tokens
@@ -453,32 +501,33 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
     if (L.shared.defined()) I_sh = std::max(I_sh, L.shared.inter);
   }
   const int64_t k = std::max<int64_t>(d.top_k, 1);
-  w.x = buf<float>(T * H);
-  w.h = buf<float>(T * H);
-  w.aq = buf<float>(T * q_in_n);
-  w.akv = buf<float>(T * (R + P));
-  w.qc = buf<float>(T * d.q_lora);
-  w.q = buf<float>(T * q_n);
-  w.qlat = buf<float>(T * nh * (R + P));
-  w.olat = buf<float>(T * nh * R);
-  w.v = buf<float>(T * nh * d.dv);
-  w.out = buf<float>(T * H);
   const int64_t ffn = std::max(T * k * I_exp, T * I_dense);
-  w.g = buf<float>(std::max(ffn, 2 * T * H));   // also the MTP prologue's [enorm | hnorm]
-  w.u = buf<float>(ffn);
-  w.act = buf<float>(ffn);
-  w.gs = buf<float>(T * I_sh);
-  w.us = buf<float>(T * I_sh);
-  w.acts = buf<float>(T * I_sh);
-  w.logits = buf<float>(T * std::max<int64_t>(d.experts, 1));
-  w.wts = buf<float>(T * k);
-  w.idx = buf<int32_t>(T * k);
   const int64_t scratch_floats = W.max_scratch() + 64;
   const int nt = at::get_num_threads();
-  std::vector<std::unique_ptr<float[]>> scratch(nt), att(nt);
+  struct Want {
+    Buf<float>* f;
+    Buf<int32_t>* i;
+    int64_t n;
+  };
+  std::vector<Buf<float>> scratch(nt), att(nt);
+  std::vector<Want> want = {
+      {&w.x, nullptr, T * H}, {&w.h, nullptr, T * H}, {&w.aq, nullptr, T * q_in_n}, {&w.akv, nullptr, T * (R + P)},
+      {&w.qc, nullptr, T * d.q_lora}, {&w.q, nullptr, T * q_n}, {&w.qlat, nullptr, T * nh * (R + P)},
+      {&w.olat, nullptr, T * nh * R}, {&w.v, nullptr, T * nh * d.dv}, {&w.out, nullptr, T * H},
+      {&w.g, nullptr, std::max(ffn, 2 * T * H)},   // also the MTP prologue's [enorm | hnorm]
+      {&w.u, nullptr, ffn}, {&w.act, nullptr, ffn}, {&w.gs, nullptr, T * I_sh}, {&w.us, nullptr, T * I_sh},
+      {&w.acts, nullptr, T * I_sh}, {&w.logits, nullptr, T * std::max<int64_t>(d.experts, 1)},
+      {&w.wts, nullptr, T * k}, {nullptr, &w.idx, T * k}};
   for (int i = 0; i < nt; ++i) {
-    scratch[i] = buf<float>(scratch_floats + T * H);
-    att[i] = buf<float>(nh * (b.max_ctx + 2));
+    want.push_back({&scratch[i], nullptr, scratch_floats + T * H});
+    want.push_back({&att[i], nullptr, nh * (b.max_ctx + 2)});
+  }
+  size_t total = 0;
+  for (const Want& x : want) total += x.f ? Arena::bytes<float>(x.n) : Arena::bytes<int32_t>(x.n);
+  Arena& arena = tl_arena;
+  arena.reserve(total);
+  for (const Want& x : want) {
+    if (x.f) *x.f = arena.take<float>(x.n); else *x.i = arena.take<int32_t>(x.n);
   }
   Forward f{W, d, b, w, scratch_floats};
   const float* emb_f = static_cast<const float*>(W.embed().p);
@@ -509,6 +558,7 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
       }
     }
   });
+  arena.release_if_large();
 }
 
 void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y) {

@@ -300,8 +300,12 @@ inline void one_tile(const Mat& W, const Dec& dec, const uint16_t* x, int64_t n,
   for (int r = 0; r < R; ++r) rp[r] = row_ptr(W, n + r);
   const char* pf = row_ptr(W, n + kPfTiles * R);
   const int64_t rb = row_ptr(W, 1) - row_ptr(W, 0);
-  if (FMT == kNVFP4)
+  if (FMT == kNVFP4) {
     for (int r = 0; r < R; ++r) nvfp4_row_scales(W, n + r, sc + r * sc_ld);
+    // and the group scales of the rows the prefetch below brings (K / 16 bytes each)
+    for (int r = 0; r < R; ++r)
+      for (int64_t b = 0; b < K / 16; b += 64) __builtin_prefetch(W.gscale + (n + kPfTiles * R + r) * W.gscale_ld + b, 0, 2);
+  }
   for (int64_t s = 0; s < steps; ++s) {
     if (FMT != kNVFP4 || (s & 1) == 0) {
 #pragma GCC unroll 16
