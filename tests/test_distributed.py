@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from conftest import PROMPTS, llm_config
+from mtp_core import kernels
 from mtp_core.config import CudaGraphConfig, ModelConfig
 from mtp_core.distributed import ParallelState, check_parallel_sizes, collect_shards, shard_model, split_range
 from mtp_core.distributed.loader import load_model_sharded
@@ -262,7 +263,17 @@ def _spawn(jobs: list[dict[str, Any]], out_dir: Path) -> list[dict[str, Any]]:
 
 
 def _single(model_dir: Path, **kw: Any) -> tuple[list[list[int]], torch.Tensor]:
-    llm = LLM(llm_config(model_dir, **kw))
+    # the ranks run the torch path (fp32 activations): so does the reference's native forward here (the bf16
+    # activations of AVX512-BF16 / AMX kernels would pick other greedy tokens on a near tie)
+    old = os.environ.get("MTP_CORE_CPU_ISA")
+    os.environ["MTP_CORE_CPU_ISA"] = "avx512f" if "avx512" in kernels.cpu_isa() else kernels.cpu_isa()
+    try:
+        llm = LLM(llm_config(model_dir, **kw))
+    finally:
+        if old is None:
+            os.environ.pop("MTP_CORE_CPU_ISA")
+        else:
+            os.environ["MTP_CORE_CPU_ISA"] = old
     tokens = [o.token_ids for o in llm.generate(BATCH, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))]
     with torch.inference_mode():
         # the torch LM head, as on the ranks (a distributed model has no native decoder; the native head sums in
