@@ -120,3 +120,24 @@ def test_fp8_denormals_and_signs_decode_exactly() -> None:
 def test_refused_where_it_does_not_apply() -> None:
     with pytest.raises(RuntimeError, match="dot"):
         kernels.mat_gemm(torch.randn(2, 40), Matrix(ROWS, 0, 8, 40, torch.randn(8, 40)), dot=True)
+
+
+def test_input_pairs_layout_every_tail_and_token_count() -> None:
+    """bf16 weights packed in 16-row blocks of input pairs (the packed layout on CPUs with bf16 dot products):
+    every row count past a block (N mod 16), odd K (a half pair), T = 1..9 (the 8-block one-token tiles, the
+    4-block x 1..6-token tiles and their remainders), bias; bitwise the same whatever shares the call."""
+    from mtp_core.model.native_weights import PAIRS, pack_pairs
+    g = torch.Generator().manual_seed(21)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for n, k in ((1, 2), (15, 31), (16, 64), (17, 33), (130, 256), (200, 7), (260, 160)):
+            w = torch.randn(n, k, generator=g).bfloat16()
+            m = Matrix(PAIRS, BF16, n, k, pack_pairs(w), bias=torch.randn(n, generator=g) if n % 2 else None)
+            assert torch.equal(m.dense(), w.float())
+            x = torch.randn(9, k, generator=g)
+            ys = [check(m, w.float(), x[:T]) for T in range(1, 10)]
+            for T, y in enumerate(ys, 1):
+                assert torch.equal(y, ys[-1][:T]), (n, k, T)
+    finally:
+        torch.set_num_threads(old)

@@ -396,8 +396,10 @@ struct Forward {
     // gate / up / act of every (expert, 32-row chunk of its intermediate) and of the shared expert
     const int64_t na = static_cast<int64_t>(w.active.size());
     const int64_t I = na ? L.experts[w.active[0]].inter : 0, Is = L.shared.defined() ? L.shared.inter : 0;
-    // chunks of 32 rows (64 for panels: a chunk is whole panels)
-    const int64_t chunk = std::max<int64_t>(32, cpu::gemm_align(na ? L.experts[w.active[0]].gate : L.shared.gate));
+    // chunks of 32 rows (64 for panels: a chunk is whole panels; 128 for input pairs: 8 blocks of 16 rows keep
+    // the dot products' chains independent enough to issue one per cycle)
+    const cpu::Mat& g0 = na ? L.experts[w.active[0]].gate : L.shared.gate;
+    const int64_t chunk = g0.layout == cpu::kPairs ? 128 : std::max<int64_t>(32, cpu::gemm_align(g0));
     const int64_t per_e = (I + chunk - 1) / chunk, per_s = (Is + chunk - 1) / chunk;
     {
       // balanced by work (an expert's chunk costs its token count; a prefill routes very unevenly)
@@ -706,7 +708,8 @@ at::Tensor mat_gemm_cpu(const at::Tensor& x, const at::Tensor& data, const std::
   TORCH_CHECK(!dot || (cpu::dot_usable() && cpu::dot_takes(M)), "mat_gemm: dot needs a CPU with AVX512-BF16 and a "
               "row-wise bf16 / fp8 / nvfp4 matrix");
   TORCH_CHECK(!(amx && dot), "mat_gemm: amx and dot exclude each other");
-  M.dot = dot;
+  TORCH_CHECK(M.layout != cpu::kPairs || cpu::dot_usable(), "mat_gemm: bf16 input pairs need a CPU with AVX512-BF16");
+  M.dot = dot || M.layout == cpu::kPairs;   // only the dot-product GEMM reads input pairs
   const int64_t T = xf.size(0);
   at::Tensor y = at::empty({T, n}, xf.options());
   if (T == 0) return y;
@@ -743,7 +746,7 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
       "Tensor slot_mapping, Tensor query_start, Tensor block_tables, Tensor seqlens, bool final_norm) -> Tensor");
   // The LM head: hidden [T, H] -> logits [T, vocab] float32, batch-invariant.
   m.def("decode_logits(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor hidden) -> Tensor");
-  // One matrix (layout kRows=0 / kCols=1 / kPanel=2, format f32=0 / bf16=1 / fp8=2 / nvfp4=3) applied to
+  // One matrix (layout kRows=0 / kCols=1 / kPanel=2 / kPairs=3, format f32=0 / bf16=1 / fp8=2 / nvfp4=3) applied to
   // x [T, k] -> [T, n] float32, with the forward's kernels.
   m.def(
       "mat_gemm(Tensor x, Tensor data, Tensor? scale, Tensor? gscale, Tensor? bias, int layout, int fmt, int n, "

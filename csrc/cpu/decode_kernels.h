@@ -32,7 +32,10 @@ enum Fmt : int { kF32 = 0, kBF16 = 1, kFP8 = 2, kNVFP4 = 3 };
 //           stored S. Serves run-time MLA absorption (q_nope x W_UK reads kv_b_proj's rows in place).
 //   kPanel  W packed in 64-row panels, [ceil(N/64), K, 64] (rows past N zero): a repacked copy, used for
 //           small models whose matrices are too narrow for row-wise dot products to pay (f32/bf16).
-enum Layout : int { kRows = 0, kCols = 1, kPanel = 2 };
+//   kPairs  bf16 W packed for the bf16 dot products (dot_gemm.h) in 16-row blocks of input pairs,
+//           [ceil(N/16), ceil(K/2), 16, 2] (row n's inputs 2p, 2p+1 side by side; zeros past N and K): the
+//           packed layout's form on CPUs with AVX512-BF16.
+enum Layout : int { kRows = 0, kCols = 1, kPanel = 2, kPairs = 3 };
 
 struct Mat {
   int layout = kRows, fmt = kF32;
@@ -84,7 +87,7 @@ struct KernelTable {
 
 // Output granularity of a layout (n0 of a split must be a multiple of it), and gemm's scratch need.
 inline int64_t gemm_align(const Mat& W) {
-  return W.amx ? 16 : W.dot ? 8 : W.layout == kPanel ? 64 : W.layout == kCols ? 64 : 8;
+  return W.amx ? 16 : W.layout == kPairs ? 16 : W.dot ? 8 : W.layout == kPanel ? 64 : W.layout == kCols ? 64 : 8;
 }
 inline int64_t gemm_scratch(const Mat& W) { return W.layout == kRows ? 8 * (W.k + 32) : 0; }
 

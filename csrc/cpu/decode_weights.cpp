@@ -50,7 +50,9 @@ cpu::Mat DecodeWeights::mat(const std::string& name, bool required) {
   cpu::Mat m = parse_mat(tensors_, ints_, floats_, name, required, &bytes_);
   m.amx = use_amx_ && m.defined() && cpu::amx_takes(m);
   num_amx_ += m.amx;
-  m.dot = use_dot_ && m.defined() && !m.amx && cpu::dot_takes(m);
+  m.dot = (use_dot_ || m.layout == cpu::kPairs) && m.defined() && !m.amx && cpu::dot_takes(m);
+  TORCH_CHECK(!m.defined() || m.layout != cpu::kPairs || cpu::dot_usable(), "DecodeWeights: '", name,
+              "' is packed in bf16 input pairs but this CPU has no AVX512-BF16");
   num_dot_ += m.dot;
   max_scratch_ = std::max(max_scratch_, cpu::gemm_scratch(m));
   return m;
@@ -77,7 +79,12 @@ cpu::Mat parse_mat(const c10::Dict<std::string, at::Tensor>& tensors_, const c10
   TORCH_CHECK(m.n > 0 && m.k > 0, "DecodeWeights: '", name, "' has n=", m.n, " k=", m.k);
   m.data = data.data_ptr();
   const std::string where = "DecodeWeights: '" + name + "' ";
-  if (m.layout == cpu::kPanel) {
+  if (m.layout == cpu::kPairs) {
+    TORCH_CHECK(data.dim() == 3 && data.is_contiguous() && data.size(2) == 32 && data.size(1) * 2 >= m.k &&
+                    data.size(0) * 16 >= m.n && m.fmt == cpu::kBF16,
+                where, "must be bf16 input pairs [ceil(n/16), ceil(k/2), 32], got ", data.sizes());
+    m.ld = data.size(1);   // input pairs per 16-row block
+  } else if (m.layout == cpu::kPanel) {
     TORCH_CHECK(data.dim() == 3 && data.is_contiguous() && data.size(2) == 64 && data.size(1) == m.k &&
                     data.size(0) * 64 >= m.n && (m.fmt == cpu::kF32 || m.fmt == cpu::kBF16),
                 where, "must be f32/bf16 panels [ceil(n/64), k, 64], got ", data.sizes());
@@ -239,7 +246,9 @@ DecodeWeights::DecodeWeights(c10::Dict<std::string, at::Tensor> tensors, c10::Di
 std::string DecodeWeights::summary() const {
   std::ostringstream s;
   const LayerW& l0 = layers_.front();
-  s << layers_.size() << " layers, " << (l0.q_in.layout == cpu::kPanel ? "packed panels" : "weights in place")
+  s << layers_.size() << " layers, " << (l0.q_in.layout == cpu::kPanel   ? "packed panels"
+                                      : l0.q_in.layout == cpu::kPairs ? "packed bf16 input pairs"
+                                                                      : "weights in place")
     << ", attention " << (l0.absorbed() ? "pre-absorbed" : "absorbed at run time") << ", "
     << fmt_name((l0.mlp.defined() ? l0.mlp.down : l0.q_in).fmt) << " weights, " << bytes_ / (1 << 20) << " MiB";
   if (num_amx_) s << ", " << num_amx_ << " matrices on AMX tiles (bf16 activations)";

@@ -515,6 +515,86 @@ void gemm_many(const Mat& W, const uint16_t* xb, int64_t xld, int64_t T, int64_t
   }
 }
 
+// ---- bf16 weights packed in input pairs (kPairs) -------------------------------------------------------
+// Block b holds outputs 16b .. 16b + 15: for each input pair p one vector of 16 (w[n, 2p], w[n, 2p + 1]); a
+// token's pair (x_2p, x_2p+1) is broadcast to all lanes, and one dot product adds both products to each of the
+// 16 outputs. Lane n of an output block accumulates its pairs in order, one chain over p = 0 .. K/2 - 1, so an
+// output's rounding depends on K alone; no horizontal sum. Register tiles of RB blocks x TT tokens reuse each
+// weight vector for every token and each broadcast pair for every block.
+template <int RB, int TT>
+__attribute__((noinline)) void pairs_tile(const Mat& W, const uint16_t* xb, int64_t xld, int64_t t0, int64_t b0,
+                                          float* Y, int64_t ldy) {
+  __m512 acc[RB][TT];
+#pragma GCC unroll 8
+  for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) acc[i][t] = _mm512_setzero_ps();
+  const int64_t P = (W.k + 1) / 2, ld = W.ld;   // pairs; a block is ld x 32 bf16
+  const uint16_t* base = static_cast<const uint16_t*>(W.data) + b0 * ld * 32;
+  const uint32_t* xp[TT];
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t) xp[t] = reinterpret_cast<const uint32_t*>(xb + (t0 + t) * xld);
+  for (int64_t p = 0; p < P; ++p) {
+    __m512i w[RB];
+#pragma GCC unroll 8
+    for (int i = 0; i < RB; ++i) w[i] = _mm512_loadu_si512(base + (i * ld + p) * 32);
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t) {
+      const __m512i xv = _mm512_set1_epi32(static_cast<int>(xp[t][p]));
+#pragma GCC unroll 8
+      for (int i = 0; i < RB; ++i) acc[i][t] = dp(acc[i][t], w[i], xv);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < RB; ++i) {
+    const int64_t n = 16 * (b0 + i), left = W.n - n;
+    if (left <= 0) break;
+    const __mmask16 mk = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+    const __m512 bias = W.bias ? _mm512_maskz_loadu_ps(mk, W.bias + n) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int t = 0; t < TT; ++t)
+      _mm512_mask_storeu_ps(Y + (t0 + t) * ldy + n, mk, W.bias ? _mm512_add_ps(acc[i][t], bias) : acc[i][t]);
+  }
+}
+
+template <int RB>
+void pairs_tokens(const Mat& W, const uint16_t* xb, int64_t xld, int64_t T, int64_t b0, float* Y, int64_t ldy) {
+  int64_t t = 0;
+  for (; t + 6 <= T; t += 6) pairs_tile<RB, 6>(W, xb, xld, t, b0, Y, ldy);
+  switch (T - t) {
+    case 5: pairs_tile<RB, 5>(W, xb, xld, t, b0, Y, ldy); break;
+    case 4: pairs_tile<RB, 4>(W, xb, xld, t, b0, Y, ldy); break;
+    case 3: pairs_tile<RB, 3>(W, xb, xld, t, b0, Y, ldy); break;
+    case 2: pairs_tile<RB, 2>(W, xb, xld, t, b0, Y, ldy); break;
+    case 1: pairs_tile<RB, 1>(W, xb, xld, t, b0, Y, ldy); break;
+    default: break;
+  }
+}
+
+// outputs [n0, n1), n0 a multiple of 16. One token: 8 blocks in flight (a dot product's latency is 6 cycles on
+// Zen 4: 8 independent chains keep one issuing per cycle); several: 4 blocks x up to 6 tokens.
+template <int RB>
+void pairs_rest(const Mat& W, const uint16_t* xb, int64_t xld, int64_t T, int64_t b, int64_t left, float* Y,
+                int64_t ldy) {
+  if constexpr (RB > 0) {
+    if (left == RB) return pairs_tokens<RB>(W, xb, xld, T, b, Y, ldy);
+    pairs_rest<RB - 1>(W, xb, xld, T, b, left, Y, ldy);
+  }
+}
+
+void gemm_pairs(const Mat& W, const uint16_t* xb, int64_t xld, int64_t T, int64_t n0, int64_t n1, float* Y,
+                int64_t ldy) {
+  const int64_t b1 = (n1 + 15) / 16;
+  int64_t b = n0 / 16;
+  if (T == 1) {
+    for (; b + 8 <= b1; b += 8) pairs_tile<8, 1>(W, xb, xld, 0, b, Y, ldy);
+    if (b < b1) pairs_rest<7>(W, xb, xld, 1, b, b1 - b, Y, ldy);
+    return;
+  }
+  for (; b + 4 <= b1; b += 4) pairs_tokens<4>(W, xb, xld, T, b, Y, ldy);
+  if (b < b1) pairs_rest<3>(W, xb, xld, T, b, b1 - b, Y, ldy);
+}
+
 template <int FMT, typename Dec>
 void gemm_fmt(const Mat& W, const uint16_t* xb, int64_t ld, int64_t T, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
   if (T == 1) {
@@ -527,6 +607,7 @@ void gemm_fmt(const Mat& W, const uint16_t* xb, int64_t ld, int64_t T, int64_t n
 
 void gemm_acts(const Mat& W, const uint16_t* xb, int64_t ld, int64_t T, int64_t n0, int64_t n1, float* Y,
                int64_t ldy) {
+  if (W.layout == kPairs) return gemm_pairs(W, xb, ld, T, n0, n1, Y, ldy);
   switch (W.fmt) {
     case kBF16: gemm_fmt<kBF16, Bf16Dec>(W, xb, ld, T, n0, n1, Y, ldy); break;
     case kFP8: gemm_fmt<kFP8, Fp8Dec>(W, xb, ld, T, n0, n1, Y, ldy); break;

@@ -22,9 +22,11 @@ namespace cpu {
 // The CPU has AVX-512 F/BW/VL/DQ, AVX512-BF16 and AVX512-VBMI.
 bool dot_usable();
 
-// A matrix the dot-product GEMM takes: row-wise bf16, FP8 block or NVFP4 (any K; NVFP4 has K % 16 == 0).
+// A matrix the dot-product GEMM takes: row-wise bf16, FP8 block or NVFP4 (any K; NVFP4 has K % 16 == 0), or
+// bf16 packed in input pairs (kPairs, which only this GEMM reads).
 inline bool dot_takes(const Mat& W) {
-  return W.layout == kRows && (W.fmt == kBF16 || W.fmt == kFP8 || W.fmt == kNVFP4);
+  return (W.layout == kRows && (W.fmt == kBF16 || W.fmt == kFP8 || W.fmt == kNVFP4)) ||
+         (W.layout == kPairs && W.fmt == kBF16);
 }
 
 // Y[t * ldy + n] = dot(bf16(X_t), W[n, :]) (+ bias[n]) for n in [n0, n1) and t < T.

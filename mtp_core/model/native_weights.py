@@ -40,7 +40,7 @@ from mtp_core.model.moe import MoE
 log = logging.getLogger("mtp.model")
 
 F32, BF16, FP8, NVFP4 = 0, 1, 2, 3          # csrc/cpu/decode_kernels.h: Fmt
-ROWS, COLS, PANEL = 0, 1, 2                  # csrc/cpu/decode_kernels.h: Layout
+ROWS, COLS, PANEL, PAIRS = 0, 1, 2, 3        # csrc/cpu/decode_kernels.h: Layout
 FMT_NAMES = {F32: "fp32", BF16: "bf16", FP8: "fp8", NVFP4: "nvfp4"}
 PACKED_MAX_BYTES = 64 << 20    # packed layout (repacked copies, pre-absorbed MLA) up to this many weight bytes
 LAYOUTS = ("auto", "direct", "packed")
@@ -53,7 +53,8 @@ class Matrix:
     fmt: int
     n: int
     k: int
-    data: torch.Tensor                       # ROWS [n, k] (NVFP4 [n, k/2] uint8), COLS [k, n], PANEL [P, k, 64]
+    data: torch.Tensor                       # ROWS [n, k] (NVFP4 [n, k/2] uint8), COLS [k, n], PANEL [P, k, 64],
+                                             # PAIRS [ceil(n/16), ceil(k/2), 32] bf16
     scale: Optional[torch.Tensor] = None     # FP8: the source's block scales x 256, [rows/128, cols/128]
     scale_r0: int = 0                        # FP8: first source row within its 128-row block
     gscale: Optional[torch.Tensor] = None    # NVFP4: e4m3 bytes [n, k/16]
@@ -80,6 +81,10 @@ class Matrix:
         """The real values, float32 [n, k]."""
         if self.layout == PANEL:
             return self.data.float().transpose(-1, -2).reshape(-1, self.k)[:self.n]
+        if self.layout == PAIRS:   # [blocks, pairs, 16 rows, 2 inputs] -> [rows, inputs]
+            b, p = self.data.shape[:2]
+            w = self.data.float().view(b, p, 16, 2).permute(0, 2, 1, 3).reshape(b * 16, 2 * p)
+            return w[:self.n, :self.k].contiguous()
         if self.fmt in (F32, BF16):
             w = self.data.float()
         elif self.fmt == FP8:
@@ -103,6 +108,16 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, 64, k).transpose(-1, -2).contiguous()
 
 
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """bf16 W [N, K] -> [ceil(N/16), ceil(K/2), 32]: 16-row blocks, each input pair's 16 rows x 2 inputs side by
+    side (zeros past N and K): what the bf16 dot products multiply a broadcast pair of activations with."""
+    n, k = w.shape
+    padded = torch.zeros(-(-n // 16) * 16, -(-k // 2) * 2, dtype=torch.bfloat16)
+    padded[:n, :k] = w
+    return padded.view(-1, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).reshape(-1, padded.shape[1] // 2, 32) \
+        .contiguous()
+
+
 def _fmt_of(t: torch.Tensor) -> int:
     if t.dtype == torch.float32:
         return F32
@@ -111,7 +126,10 @@ def _fmt_of(t: torch.Tensor) -> int:
     raise ValueError(f"native decode: weights must be float32 or bfloat16, got {t.dtype}")
 
 
-def panel(w: torch.Tensor) -> Matrix:
+def panel(w: torch.Tensor, pairs: bool = False) -> Matrix:
+    """A packed copy: 64-row panels, or for bf16 weights on a CPU with bf16 dot products (pairs) input pairs."""
+    if pairs and w.dtype == torch.bfloat16:
+        return Matrix(PAIRS, BF16, w.shape[0], w.shape[1], pack_pairs(w.detach()))
     return Matrix(PANEL, _fmt_of(w), w.shape[0], w.shape[1], pack_panels(w.detach()))
 
 
@@ -237,8 +255,9 @@ def dot_takes(m: Matrix) -> bool:
 
 def bf16_acts(m: Matrix, dims: dict) -> bool:
     """Whether the native forward rounds this matrix's activations to bf16: it runs on the AMX tiles
-    (dims["amx"]) or on the AVX512-BF16 dot products (dims["bf16_dot"]); every other matrix sees fp32."""
-    return bool((dims.get("amx") and amx_takes(m)) or (dims.get("bf16_dot") and dot_takes(m)))
+    (dims["amx"]) or on the AVX512-BF16 dot products (dims["bf16_dot"], and every matrix packed in input pairs);
+    every other matrix sees fp32."""
+    return bool(m.layout == PAIRS or (dims.get("amx") and amx_takes(m)) or (dims.get("bf16_dot") and dot_takes(m)))
 
 
 @dataclass
@@ -295,13 +314,13 @@ def choose_layout(model: nn.Module, want: str = "") -> str:
     return "packed" if all(layer.self_attn.fuse_for_decode() for layer in model.model.layers) else "direct"
 
 
-def _ffn(m: MLP, pack: bool) -> FFN:
+def _ffn(m: MLP, pack: bool, pairs: bool = False) -> FFN:
     if pack:
-        return FFN(panel(m.gate_proj.weight), panel(m.up_proj.weight), panel(m.down_proj.weight))
+        return FFN(panel(m.gate_proj.weight, pairs), panel(m.up_proj.weight, pairs), panel(m.down_proj.weight, pairs))
     return FFN(rows_of(m.gate_proj), rows_of(m.up_proj), rows_of(m.down_proj))
 
 
-def _layer(layer: nn.Module, pack: bool) -> LayerWeights:
+def _layer(layer: nn.Module, pack: bool, pairs: bool = False) -> LayerWeights:
     attn = layer.self_attn
     r_dr = attn.kv_lora_rank + attn.qk_rope_head_dim
     lw: dict = dict(in_norm=_c(layer.input_layernorm.weight), kv_norm=_c(attn.kv_a_layernorm.weight),
@@ -309,11 +328,11 @@ def _layer(layer: nn.Module, pack: bool) -> LayerWeights:
     if pack:   # pre-absorbed (MLAttention.fuse_for_decode): w_a = [q_a | kv_a] or [absorbed q | kv_a]
         w_a, b_a, w_q, w_o = attn.decode_weights
         q_rows = w_a.shape[0] - r_dr
-        lw.update(q_in=panel(w_a[:q_rows]), kv_a=panel(w_a[q_rows:]), o=panel(w_o))
+        lw.update(q_in=panel(w_a[:q_rows], pairs), kv_a=panel(w_a[q_rows:], pairs), o=panel(w_o, pairs))
         if b_a is not None:
             lw["q_in"].bias, lw["kv_a"].bias = _c(b_a[:q_rows].float()), _c(b_a[q_rows:].float())
         if attn.q_lora_rank is not None:
-            lw.update(q_a_norm=_c(attn.q_a_layernorm.weight), q_b=panel(w_q))
+            lw.update(q_a_norm=_c(attn.q_a_layernorm.weight), q_b=panel(w_q, pairs))
     else:
         q_in = attn.q_a_proj if attn.q_lora_rank is not None else attn.q_proj
         uk, uv = _kv_b_heads(attn)
@@ -325,14 +344,14 @@ def _layer(layer: nn.Module, pack: bool) -> LayerWeights:
         gate = mlp.gate
         lw.update(router=Matrix(ROWS, F32, gate.weight.shape[0], gate.weight.shape[1], _c(gate.weight.float())),
                   router_bias=_c(gate.e_score_correction_bias.float()),
-                  experts=[_ffn(e, pack) for e in mlp.experts])
+                  experts=[_ffn(e, pack, pairs) for e in mlp.experts])
         if mlp.shared_experts is not None:
-            lw["shared"] = _ffn(mlp.shared_experts, pack)
+            lw["shared"] = _ffn(mlp.shared_experts, pack, pairs)
     else:
-        lw["mlp"] = _ffn(mlp, pack)
+        lw["mlp"] = _ffn(mlp, pack, pairs)
     if hasattr(layer, "eh_proj"):
         lw.update(enorm=_c(layer.enorm.weight), hnorm=_c(layer.hnorm.weight), head_norm=_c(layer.shared_head.norm.weight),
-                  eh_proj=panel(layer.eh_proj.weight) if pack else rows_of(layer.eh_proj))
+                  eh_proj=panel(layer.eh_proj.weight, pairs) if pack else rows_of(layer.eh_proj))
     return LayerWeights(**lw)
 
 
@@ -352,11 +371,12 @@ def build_native_weights(model: nn.Module, layout: str) -> NativeWeights:
     pack = layout == "packed"
     dims["amx"] = int(not pack and kernels.cpu_amx())
     dims["bf16_dot"] = int(not pack and kernels.cpu_bf16_dot())
+    pairs = pack and kernels.cpu_bf16_dot()      # packed bf16 matrices in input pairs, for the bf16 dot products
     if pack and not all(layer.self_attn.decode_weights is not None or layer.self_attn.fuse_for_decode()
                         for layer in model.model.layers):
         raise ValueError("the packed native layout needs plain fp32/bf16 attention whose absorbed weights at most "
                          "double; use the direct layout (MTP_CORE_NATIVE_LAYOUT=direct)")
     head = model.lm_head
-    lm_head = panel(head.weight) if pack else rows_of(head)
+    lm_head = panel(head.weight, pairs) if pack else rows_of(head)
     return NativeWeights(layout, dims, params, _c(model.model.embed_tokens.weight), _c(model.model.norm.weight),
-                         lm_head, [_layer(layer, pack) for layer in model.model.layers])
+                         lm_head, [_layer(layer, pack, pairs) for layer in model.model.layers])
