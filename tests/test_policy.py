@@ -52,14 +52,14 @@ def cells(*values):
 ESTIMATE_TABLE = [
     # cells (samples per count k = 0..3)               drafter?  estimate per count            why
     (([1, 9, 2], [3, 3, 4], [5, 50, 5], [7, 7, 7]), False, [1.5, 10 / 3, 5, 7]),  # 3 samples: trimmed means
-    (([2], None, None, None), False, [2, 2, 2, 2]),                                # one count: flat above it
-    ((None, None, None, [8, 8, 8]), False, [2, 4, 6, 8]),                          # one count: (k+1)/4 below it
+    (([2], None, None, None), False, [2, 2.5, 3, 3.5]),                            # one count: 1 + k/4 through it
+    ((None, None, None, [8, 8, 8]), False, [8 / 1.75, 10 / 1.75, 12 / 1.75, 8]),  # ... from either side
     ((None, None, None, [6, 6, 6]), True, [0, 2, 4, 6]),                           # drafter: k/3 below, 0 at k = 0
-    (([0.5], None, [4], None), True, [0.5, 2, 4, 4]),                              # drafter: k=0 apart; k/2 below 2
+    (([0.5], None, [4], None), True, [0.5, 2, 4, 6]),                              # drafter: k=0 apart; k/2 through 2
     (([1, 1, 1], [2], None, [4, 9]), False, [1, 2, 3, 4]),                         # line through 1, 2, min(4, 9)=4
     ((None, [3, 3, 3], [5, 5, 5], [7, 7, 7]), True, [0, 3, 5, 7]),                 # drafter, all measured
-    (([1, 1, 1], None, None, [40]), False, [1, 1, 1, 1]),                          # one slow sample at 3: the
-]                                                                                  # others' guess (flat) wins
+    (([1, 1, 1], None, None, [40]), False, [1, 1.25, 1.5, 1.75]),                  # one slow sample at 3: the
+]                                                                                  # others' guess (1.75) wins
 
 
 @pytest.mark.parametrize("samples,drafter,want", ESTIMATE_TABLE)
@@ -91,7 +91,7 @@ def test_step_costs_are_per_row_and_a_new_bucket_borrows_the_nearest():
     assert t == pytest.approx([0.001, 0.002, 0.003]) and d == pytest.approx([0.0, 0.001, 0.002])
     assert sc.per_row(64) == sc.per_row(4)
     sc.add_target(16, 0, 0.008)              # bucket 16 appears: 64 now borrows it (the nearer in log2) ...
-    assert sc.per_row(64)[0] == pytest.approx([0.0005] * 3)
+    assert sc.per_row(64)[0] == pytest.approx([0.0005, 0.000625, 0.00075])   # one count: 1 + k/4 through it
     assert sc.per_row(8) == sc.per_row(4)    # ... and 8, as far from 4 as from 16, the smaller one
     assert StepCosts(2).per_row(1) is None
 
@@ -194,21 +194,25 @@ def test_lagging_rows_resume_only_when_their_catch_up_pays():
 
 
 def test_observe_updates_acceptance_per_position():
-    """Per request: the n-th observation weighs max(0.1, 1/(n+4)) (the prior, the engine-wide estimate,
-    counts as 4 observations); engine-wide max(0.05, 1/(n+8)), from 0.8. A step with 3 drafts and 1
-    accepted observes position 1 accepted, position 2 rejected, position 3 not at all (it moves 10% of the
-    way to the engine-wide estimate)."""
+    """Per request: the n-th observation weighs max(0.1, 1/(n+1)) (the prior, the engine-wide estimate,
+    counts as 1 observation); engine-wide max(0.05, 1/(n+2)), from 0.8. A step with 3 drafts and 1
+    accepted observes position 1 accepted, position 2 rejected, position 3 not at all: the rejection caps it
+    (it moves toward min(itself, position 2's) by the same weight), then it moves 10% of the way to the
+    engine-wide estimate."""
     assert (acceptance.ACCEPT_WEIGHT, acceptance.GLOBAL_WEIGHT, acceptance.RELAX, acceptance.PRIOR_ACCEPT,
-            acceptance.PRIOR_WEIGHT) == (0.1, 0.05, 0.1, 0.8, 4)
+            acceptance.PRIOR_WEIGHT) == (0.1, 0.05, 0.1, 0.8, 1)
     p = DraftLenPolicy(3, DraftPolicy(3), "cost")
     s = seq().mtp
-    p.observe(s, 3, 1)                   # weight 1/5: .8 -> .84 (accepted), .8 -> .64 (rejected), .8 stays
-    assert s.accept_est == pytest.approx([0.84, 0.64, 0.8])
-    assert p.accept == pytest.approx([0.8 + 0.2 / 9, 0.8 - 0.8 / 9, 0.8])          # weight 1/9
+    p.observe(s, 3, 1)                   # weight 1/2: .8 -> .9 (accepted), .8 -> .4 (rejected), .8 -> .6 (capped)
+    e = [0.8 + 0.2 / 3, 0.8 - 0.8 / 3]   # engine-wide, weight 1/3; its position 3 capped by position 2 too
+    e.append(0.8 + (e[1] - 0.8) / 3)
+    assert p.accept == pytest.approx(e)
+    assert s.accept_est == pytest.approx([0.9, 0.4, 0.6 + 0.1 * (e[2] - 0.6)])
     p.accept[2] = 0.3
-    p.observe(s, 1, 1)                   # 1/6: .84 -> .8667; 2: .64 + .1 (.7111 - .64); 3: .8 + .1 (.3 - .8)
-    assert s.accept_est == pytest.approx([0.84 + 0.16 / 6, 0.64 + 0.1 * (0.8 - 0.8 / 9 - 0.64), 0.75])
-    for _ in range(20):                  # from the 6th observation on, the fixed weight 0.1
+    p.observe(s, 1, 1)                   # 1/3: .9 -> .9333; 2: .4 + .1 (e2 - .4); 3: .6111 + .1 (.3 - .6111)
+    a3 = 0.6 + 0.1 * (e[2] - 0.6)
+    assert s.accept_est == pytest.approx([0.9 + 0.1 / 3, 0.4 + 0.1 * (e[1] - 0.4), a3 + 0.1 * (0.3 - a3)])
+    for _ in range(20):                  # from the 10th observation on, the fixed weight 0.1
         p.observe(s, 1, 0)
     before = s.accept_est[0]
     p.observe(s, 1, 1)
@@ -362,11 +366,15 @@ def test_the_fixed_policy_never_measures():
 
 # ---- the engine driven by the policy --------------------------------------------------------------
 
-def scripted(eng, script):
+def scripted(eng, script, defer_prompts=False):
     """Replace the policy's estimates with a script of (count, resume) decisions, one per step: the engine,
-    the scheduler and the policy's bookkeeping (limits per row, lag, catch-up, statistics) run as usual."""
+    the scheduler and the policy's bookkeeping (limits per row, lag, catch-up, statistics) run as usual.
+    defer_prompts: whether a step that drafts nothing defers new prompts' MTP forwards (the cost policy's own
+    rule, DraftLenPolicy.defers_prompts); off, every prompt runs its MTP forward at prefill."""
     it = iter(script * 1000)
     eng.policy._decide = lambda *a: (*next(it), False)
+    if not defer_prompts:
+        eng.policy.defers_prompts = lambda: False
     return eng
 
 
@@ -549,3 +557,41 @@ def test_policy_settings(tiny1_dir):
     r = CliRunner().invoke(app, base + ["--spec_decode_draft_len_policy", "fixed"])
     assert r.exit_code == 0, r.stderr
     assert "drafts chosen per drafting step" in r.stderr and "draft_len_policy fixed" not in r.stdout
+
+
+@pytest.mark.parametrize("ckpt,mode", [("tiny1", "eagle"), ("tiny3", "vanilla")])
+def test_a_deferred_prompt_catches_up_when_its_request_first_drafts(models, ckpt, mode):
+    """While the policy drafts nothing, a new request's prompt skips its MTP forward (the MTP caches lag from
+    the prompt on); the first step that drafts for it runs the MTP forward over the whole lag at once. The
+    output is plain greedy's, and after the catch-up every cache equals a dense recompute."""
+    from test_mtp_decoding import _check_caches
+
+    model, K = models[ckpt], 3
+    eng = scripted(make_engine(model, nextn=K, mode=mode, tokens_per_block=4, spec=dict(draft_len_policy="cost")),
+                   [(0, True)] * 4 + [(3, True)] * 40, defer_prompts=True)
+    seqs = [eng.add_request(p, greedy(30)) for p in (PROMPTS[1], PROMPTS[3])]
+    eng.step()                                               # the prefill: its MTP forward deferred
+    assert all(s.mtp.num_valid == 0 and s.mtp.pending for s in seqs)
+    for _ in range(3):
+        eng.step()
+    assert all(s.mtp.num_valid == 0 for s in seqs)          # still lagging from the prompt on
+    eng.step()                                               # the first drafting step: the catch-up
+    assert all(s.mtp.num_valid == s.num_cached and s.mtp.pending is None for s in seqs)
+    _check_caches(model, eng, seqs, mode, K)
+    while eng.has_unfinished():
+        eng.step()
+    for p, s in zip((PROMPTS[1], PROMPTS[3]), seqs):
+        assert s.output_ids == reference(model, p, 30)
+    assert eng.stats.num_draft_proposed > 0
+
+
+def test_only_the_cost_policy_deciding_zero_defers_prompts():
+    p = DraftLenPolicy(3, DraftPolicy(3), "cost")
+    assert not p.defers_prompts()                            # before any decision: prompts run their MTP forward
+    p._last_k = 0
+    assert p.defers_prompts()
+    p._last_k = 2
+    assert not p.defers_prompts()
+    f = DraftLenPolicy(3, DraftPolicy(3, {1: 0}), "fixed")
+    f._last_k = 0
+    assert not f.defers_prompts()

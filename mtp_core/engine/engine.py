@@ -302,7 +302,7 @@ class Engine:
         # a step of one token per row (every row verified no draft): its output holds only states that rows
         # which skip drafting keep, so they may keep views of it instead of copies
         views_ok = all(not r.is_prefill and len(r.token_ids) == 1 for r in step.rows)
-        propose = partial(backlog.propose, self.drafter, inputs, views_ok)
+        propose = partial(backlog.propose, self.drafter, inputs, views_ok, self.policy.defers_prompts())
         if self._overlap is not None and any(i.needs_drafts for i in inputs):
             return self._overlap.while_drafting(propose)
         return propose()

@@ -1,16 +1,21 @@
 """The acceptance estimates the draft-length policy chooses from (speculative/policy.py).
 
 a_j = the chance that draft j is accepted when drafts 1..j-1 were, per request: an exponentially weighted
-mean of its own steps (weight 0.1; the first observations weigh 1/(n+4), the prior counting as 4, and so
-do the first ones after 16 steps without any), starting from the engine-wide mean (weight 0.05, prior 0.8
-counting as 8). A position a request does not observe moves 10% per step back to the engine-wide value
+mean of its own steps (weight 0.1; the first observations weigh 1/(n+1), the prior counting as one
+observation, and so do the first ones after 16 steps without any), starting from the engine-wide mean
+(weight 0.05, prior 0.8 counting as 2). The prior is weak on purpose: an MTP head that predicts nothing
+(random or broken weights, a quantized head that lost it) shows it in the first draft it proposes, and
+every drafting step it costs is a step slower than decoding without MTP. A rejected draft j also caps the
+positions after it that went unobserved (their estimate moves toward j's by the same weight): a chain
+that fails at its first draft is no evidence that deeper drafts would do better. A position a request does not observe moves 10% per step back to the engine-wide value
 (what it showed goes stale: a reasoning trace changes phase), and the engine-wide value moves 0.5% per step
 back to the prior while no request verifies a draft, so a long stretch at 0 is re-tried, rarely.
 E_r(k) = 1 + sum_{i<=k} prod_{j<=i} a_j is the expected tokens row r emits with k drafts.
 
-Worked example (K = 3, a request's first observation, weight 1/(1+4) = 0.2, engine-wide 0.8 everywhere):
+Worked example (K = 3, a request's first observation, weight 1/(1+1) = 0.5, engine-wide 0.8 everywhere):
 a step verifies 3 drafts and accepts 1, so position 1 is seen accepted, position 2 rejected, position 3 not
-at all: a = (0.8 + 0.2 * 0.2, 0.8 - 0.2 * 0.8, 0.8) = (0.84, 0.64, 0.8), E = (1, 1.84, 2.378, 2.808).
+at all: a = (0.8 + 0.5 * 0.2, 0.8 - 0.5 * 0.8, 0.8 + 0.5 * (0.4 - 0.8)) = (0.9, 0.4, 0.6),
+E = (1, 1.9, 2.26, 2.476).
 """
 from __future__ import annotations
 
@@ -19,12 +24,13 @@ from mtp_core.speculative.mtp_state import MTPState
 ACCEPT_WEIGHT = 0.1        # weight of a request's newest observation in its acceptance estimate
 GLOBAL_WEIGHT = 0.05       # the same for the engine-wide estimate new requests start from
 PRIOR_ACCEPT = 0.8         # the engine-wide estimate before any observation (optimistic: draft first)
-PRIOR_WEIGHT = 4           # observations a request's prior (the engine-wide estimate) counts as; the
+PRIOR_WEIGHT = 1           # observations a request's prior (the engine-wide estimate) counts as; the
                            # engine-wide estimate's prior counts twice that
 RELAX = 0.1                # per step a draft position is not observed, a request's estimate there moves this
                            # far back to the engine-wide one (what it showed goes stale: a trace changes phase)
-GLOBAL_RELAX = 0.005       # per step in which no request verified a draft, the engine-wide estimate moves this
-                           # far back to PRIOR_ACCEPT (so that a long run at 0 drafts is re-tried, rarely)
+GLOBAL_RELAX = 0.02        # per step in which no request verified a draft, the engine-wide estimate moves this
+                           # far back to PRIOR_ACCEPT (so that a run at 0 drafts is re-tried; the policy halves
+                           # it after each re-try that found nothing accepted)
 STALE = 16                 # steps without an observation after which an estimate learns as if new again
 
 
@@ -63,6 +69,11 @@ def learn(mtp: MTPState, engine: list[float], num_engine_observed: int, now: int
         x = 1.0 if j < accepted else 0.0
         a[j] += w * (x - a[j])
         engine[j] += wg * (x - engine[j])
+    if accepted < proposed:   # draft accepted + 1 was rejected: the deeper, unobserved positions are capped by it
+        j = accepted
+        for l in range(seen, proposed):
+            a[l] += w * (min(a[l], a[j]) - a[l])
+            engine[l] += wg * (min(engine[l], engine[j]) - engine[l])
     for j in range(seen, K):
         a[j] += RELAX * (engine[j] - a[j])
     mtp.expected = expected_tokens(a, K)

@@ -32,10 +32,14 @@ def hold(mtp: MTPState, hidden: torch.Tensor, valid: int, copy: bool) -> None:
         mtp.is_off, mtp.pending = True, None
 
 
-def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool) -> list[list[int]]:
+def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_prompts: bool = False
+            ) -> list[list[int]]:
     """Each row's next drafts (inp.max_drafts of them, chosen by the policy). Rows whose count is 0 skip the
     drafter and hold their states; rows that lag catch up in their first MTP forward. views_ok: the step's
-    output holds nothing else worth freeing."""
+    output holds nothing else worth freeing. defer_prompts: prompt chunks that draft nothing hold their states
+    too (the policy drafts nothing at the moment: a request's MTP forward over its prompt waits until it first
+    drafts, and never runs if it does not), up to MAX_MTP_LAG / 2 positions (a longer prompt runs it now, so
+    that the request can still draft later)."""
     drafts: list[list[int]] = [[] for _ in inputs]
     run: list[int] = []
     for n, inp in enumerate(inputs):
@@ -44,9 +48,9 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool) -> list[
             continue
         limit = inp.max_drafts if inp.needs_drafts and inp.max_drafts is not None else 0
         valid = inp.start + len(inp.next_tokens)
-        if limit == 0 and valid > inp.seq.prefill_target:          # a decode row that skips drafting
-            hold(mtp, inp.hidden, valid, copy=not views_ok)
-            continue
+        if limit == 0 and (valid > inp.seq.prefill_target or (defer_prompts and valid <= MAX_MTP_LAG // 2)):
+            hold(mtp, inp.hidden, valid, copy=True if valid <= inp.seq.prefill_target else not views_ok)
+            continue   # a decode row that skips drafting, or a prompt chunk whose MTP forward is deferred
         if mtp.pending and mtp.num_valid < inp.start:
             # the MTP caches lag (drafting skipped in earlier steps): cover the missing positions too
             inp.hidden = torch.cat([*mtp.pending, inp.hidden])

@@ -9,10 +9,9 @@ chosen; k = 0 skips the drafter. Which steps are measured is the policy's (`Draf
 Each cell keeps its last 9 samples and takes their mean without those above 1.5x their median (delays by
 other work come in bursts). A cell with fewer than 3 samples is replaced by what the bucket's other cells
 predict (least-squares line in k) when that is lower, and an unmeasured count gets the prediction (from one
-measured count, optimistically: flat above it, proportional below it); a bucket with no measurement borrows
-the nearest bucket's. With nothing measured at all the first steps draft nothing, and the optimistic
-predictions get the other counts tried next: 2-4 short runs per bucket, then the choice follows the
-measurements. A catch-up (speculative/backlog.py) is measured apart, per lagging position.
+measured count, a line of the expected shape through it); a bucket with no measurement borrows the nearest
+bucket's. With nothing measured at all the policy takes a prior cost per count (policy.PRIOR_DRAFT_COST), so
+the acceptance decides the first steps. A catch-up (speculative/backlog.py) is measured apart, per lagging position.
 """
 from __future__ import annotations
 
@@ -51,16 +50,23 @@ class _Cell:
         self.value = sum(kept) / len(kept)
 
 
+TARGET_SLOPE = 0.25        # from one measured count: the target part grows by this share of its k = 0 cost per draft
+                           # verified (a memory-bound step: 0.06-0.2 measured; a compute-bound tiny model: 0.4)
+
+
 def _predict(points: list[tuple[int, float, int]], k: int, first: int) -> Optional[float]:
     """The value at count k from measured (count, value, samples) points of one table: the least-squares
-    line weighted by min(samples, TRUSTED), slope >= 0; from a single point an optimistic guess (flat above
-    it, proportional below it: to k + 1 tokens for the target part, to k chain forwards for the drafter,
-    whose counts start at first = 1); None without points."""
+    line weighted by min(samples, TRUSTED), slope >= 0; from a single point a line of the expected shape
+    through it: the target part 1 + TARGET_SLOPE k, the drafter part (counts from first = 1) proportional to
+    its chain forwards. (Flat above a single point, as before, made an unmeasured large count look as cheap as
+    a measured small one: it was tried whatever the acceptance.) None without points."""
     if not points:
         return None
     if len({j for j, _, _ in points}) == 1:
         k1, v1, _ = points[0]
-        return v1 * min(1.0, (k - first + 1) / (k1 - first + 1))
+        if first == 0:
+            return v1 * (1.0 + TARGET_SLOPE * k) / (1.0 + TARGET_SLOPE * k1)
+        return v1 * k / k1
     w = [min(n, TRUSTED) for _, _, n in points]
     sw = sum(w)
     mk = sum(wi * j for wi, (j, _, _) in zip(w, points)) / sw

@@ -71,6 +71,9 @@ DRAFT_MARGIN = 0.05        # drafting must promise this much more than no drafti
                            # k = 0 steps between drafting ones measured dearer than in a run of k = 0 only)
 STICK = 0.02               # keep the previous count unless another promises this much more (a change costs)
 REDECIDE = 4               # steps a decision for 0 drafts stands while the batch stays the same
+PRIOR_DRAFT_COST = 0.4     # before any step is measured: a step verifying k drafts costs 1 + 0.4 k steps without
+                           # (a multi-token verify plus the MTP forwards; measured 1.4-1.6 at k = 1 on every model
+                           # here, lower per draft at k = 3)
 
 
 @dataclass
@@ -104,6 +107,9 @@ class DraftLenPolicy:
         self.last_retry: dict[int, int] = {}           # per bucket: decision index of the last re-try
         self.num_steps = 0                             # choose() calls
         self._glob_seen = 0                            # the step count when self.accept last learnt something
+        self._last_obs = 0                             # the step count of the last verified draft
+        self._probe_fails = 0                          # probes in a row (drafting after a stretch at 0) that
+                                                       # found the first draft rejected
         self._num_observed = 0                         # observations self.accept has learnt from
         self._pending: Optional[tuple[int, int, int, bool]] = None   # (rows, k, catch-up positions, clean)
         self._last_k: Optional[int] = None             # the previous decision's count ...
@@ -114,6 +120,11 @@ class DraftLenPolicy:
         self._prev_verified: Optional[int] = None      # drafts the previous step verified, if decode-only ...
         self._run_verified = 0                         # ... and how many steps in a row verified as many
         self._warmup = WARMUP_STEPS
+
+    def defers_prompts(self) -> bool:
+        """Whether prompt chunks skip their MTP forward (backlog.propose): the cost policy's decision of this
+        step drafts nothing, so a new request's MTP forward over its prompt waits until it first drafts."""
+        return self.policy == "cost" and self._last_k == 0
 
     # ---- the scheduler's view ------------------------------------------------------------
     def in_flight(self, num_running: int, num_waiting: int) -> int:
@@ -177,16 +188,21 @@ class DraftLenPolicy:
         """(count, whether lagging rows resume drafting, whether the count may stand for REDECIDE steps)."""
         costs = self.costs.per_row(B)
         hold, self._hold = self._hold, None
-        if costs is None:                     # nothing measured yet: no drafts (never slower), then the
-            return 0, True, True              # optimistic estimates of the other counts make them tried
+        if costs is None:                     # nothing measured yet: a prior (relative) cost per count, so that
+            costs = ([1.0] * (self.K + 1), [PRIOR_DRAFT_COST * k for k in range(self.K + 1)])   # the acceptance
+            # decides from the first step: a head that proposes well drafts at once, one that does not stops
         if hold is not None and hold[0] == b and hold[1] <= kmax:
             if hold[2] > 1:                   # a re-try lasts SETTLE + 1 steps: only the last is measured
                 self._hold = (b, hold[1], hold[2] - 1, hold[3])
             return hold[1], hold[3], False
         # expected tokens E(0..K) per row, grouped so that the sums stay cheap
         now = self.num_steps
-        if now - self._glob_seen > 1:           # nothing observed lately: the engine-wide estimate goes stale
-            self.accept = relaxed(self.accept, [PRIOR_ACCEPT] * self.K, now - self._glob_seen, GLOBAL_RELAX)
+        if now - self._glob_seen > 1:           # nothing observed lately: the engine-wide estimate goes stale,
+            # back toward the prior, half as fast after each probe that found nothing accepted (a head that
+            # predicts nothing is re-tried after ~30, ~60, ~120 ... steps; one that was stopped by bad luck
+            # resumes after ~30)
+            rate = GLOBAL_RELAX / (1 << min(self._probe_fails, 16))
+            self.accept = relaxed(self.accept, [PRIOR_ACCEPT] * self.K, now - self._glob_seen, rate)
             self._glob_seen, self._glob_expected = now, None
         glob = self._glob_expected or expected_tokens(self.accept, self.K)
         self._glob_expected = glob
@@ -273,6 +289,11 @@ class DraftLenPolicy:
         if self.policy == "fixed" or proposed <= 0:
             return
         now = self.num_steps
+        if now - self._last_obs > REDECIDE:   # a probe after a stretch without drafts: did the head do better?
+            self._probe_fails = self._probe_fails + 1 if accepted == 0 else 0
+        elif accepted:
+            self._probe_fails = 0
+        self._last_obs = now
         self._num_observed = 1 if now - self._glob_seen > STALE else self._num_observed + 1
         learn(mtp, self.accept, self._num_observed, now, proposed, accepted)
         self._glob_seen, self._glob_expected = now, None
