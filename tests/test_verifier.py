@@ -341,3 +341,79 @@ def test_spec_stats_arithmetic():
 def test_spec_stats_empty():
     s = SpecStats()
     assert s.acceptance_length == 0.0 and s.draft_acceptance_rate == 0.0 and s.acceptance_per_position == []
+
+
+# ---- relaxed acceptance at its threshold, exactly ------------------------------------------------
+
+def test_a_candidate_exactly_on_the_threshold_counts_in_every_implementation():
+    """p >= p_top1 - delta, with the candidate exactly on it: delta = p_A - p_B computed in float32 from the
+    softmax itself is exact (p_B is within a factor 2 of p_A, Sterbenz), and so is p_A - delta = p_B. B counts
+    (and is accepted as a draft); a hair more of delta's complement, it does not. A `>` in place of `>=` fails
+    here: no other table puts a candidate on the threshold."""
+    logits = torch.tensor([[0.5, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, -8.0]] * 2)   # [K+1 = 2, V]
+    p = torch.softmax(logits[0], -1)
+    delta = float(p[0] - p[1])
+    assert float(p[0] - torch.tensor(delta, dtype=torch.float32)) == float(p[1])          # the premise: exact
+    assert counted_set(logits[:1], 2, delta) == [[A, B]]
+    below = float(p[0] - torch.nextafter(p[1], torch.tensor(1.0)))   # the threshold one float32 step above p_B
+    assert counted_set(logits[:1], 2, below) == [[A]]
+    d = torch.tensor([B])
+    assert verify_relaxed_row(logits, d, topk=2, delta=delta) == [B, A]
+    assert verify(logits[None], d[None], [SamplingParams()], [(2, delta)], [None]).tokens == [[B, A]]
+    m, out = verify_static(logits[None], d[None], torch.tensor([True]), (2, delta))
+    assert int(m) == 1 and out[0, :2].tolist() == [B, A]
+    assert verify_relaxed_row(logits, d, topk=2, delta=below) == [A]
+
+
+# ---- the native step's verification (csrc/cpu/mtp_step_cpu.cpp), fed the same tables -------------
+
+native = pytest.mark.skipif(not __import__("mtp_core.kernels", fromlist=["x"]).native_ops().cpu,
+                            reason="native CPU ops not built")
+
+
+def native_verify(rows: list[tuple[list[int], torch.Tensor]]) -> list[list[int]]:
+    """rows: (fed tokens [t, d_1..d_k], the target's logits at those positions [k+1, V]), in one call."""
+    ids = torch.tensor([t for toks, _ in rows for t in toks], dtype=torch.long)
+    logits = torch.cat([lg for _, lg in rows]).float().contiguous()
+    qs = [0]
+    for toks, _ in rows:
+        qs.append(qs[-1] + len(toks))
+    out = torch.ops.mtp_core.verify_greedy(logits, ids, torch.tensor(qs, dtype=torch.int32)).tolist()
+    return [r[1:1 + r[0]] for r in out]
+
+
+@native
+@pytest.mark.parametrize("drafts,targets,emitted", STRICT_TABLE)
+def test_native_strict_table(drafts, targets, emitted):
+    assert native_verify([([H] + drafts, one_hot(targets))]) == [emitted]
+
+
+@native
+def test_native_strict_table_as_one_batch_and_rows_that_end_on_the_next_rows_token():
+    """Every table row in one call, each between rows whose first fed token equals its bonus: row 0 accepts
+    every draft (A B C, bonus D) and row 1 starts with D, so a loop that compared one position past a row's end
+    would accept D and emit a fifth token."""
+    rows = [([H, A, B, C], one_hot([A, B, C, D])), ([D, E], one_hot([E, F])), ([F], one_hot([G]))]
+    want = [[A, B, C, D], [E, F], [G]]
+    for drafts, targets, emitted in STRICT_TABLE:
+        rows.append(([H] + drafts, one_hot(targets)))
+        want.append(emitted)
+        rows.append(([emitted[-1], targets[-1]], one_hot([targets[-1], B])))   # starts with the bonus
+        want.append([targets[-1], B])
+    assert native_verify(rows) == want
+
+
+@native
+def test_native_verification_equals_the_eager_verifier_on_random_rows():
+    """Random logits with planted ties (argmax: the lowest id) and drafts that match a random prefix."""
+    g = torch.Generator().manual_seed(3)
+    rows, want = [], []
+    for _ in range(200):
+        k = int(torch.randint(0, 5, (1,), generator=g))
+        lg = torch.randint(-3, 3, (k + 1, V), generator=g).float()     # small integers: ties are common
+        target = lg.argmax(-1).tolist()
+        cut = int(torch.randint(0, k + 1, (1,), generator=g))
+        drafts = target[:cut] + [int(x) for x in torch.randint(0, V, (k - cut,), generator=g)]
+        rows.append(([int(torch.randint(0, V, (1,), generator=g))] + drafts, lg))
+        want.append(verify_strict(lg[None], torch.tensor([drafts], dtype=torch.long).view(1, k)).tokens[0])
+    assert native_verify(rows) == want

@@ -766,6 +766,9 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
       "Tensor rope_sin, int mtp_layer, int num_modules=1, Tensor? window_ids=None, Tensor? window_hidden=None, "
       "Tensor? window_len=None, Tensor? mtp_valid=None, float confidence=0.0) -> (Tensor, Tensor, Tensor)");
   m.impl("mtp_step", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mtp_step_cpu)));
+  // mtp_step's strict verification alone, on given logits [T, V] (tests feed it hand-checked tables).
+  m.def("verify_greedy(Tensor logits, Tensor ids, Tensor query_start) -> Tensor");
+  m.impl("verify_greedy", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::verify_greedy_cpu)));
   m.impl("decode_forward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_forward_cpu)));
   m.impl("decode_logits", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_logits_cpu)));
   m.impl("mat_gemm", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mat_gemm_cpu)));

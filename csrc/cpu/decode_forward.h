@@ -45,4 +45,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
     const std::optional<at::Tensor>& window_ids, const std::optional<at::Tensor>& window_hidden,
     const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid, double confidence);
 
+// The op mtp_core::verify_greedy: mtp_step's strict verification alone, on given logits (mtp_step_cpu.cpp).
+at::Tensor verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& query_start);
+
 }  // namespace mtp_core

@@ -40,6 +40,25 @@ int64_t argmax_row(const float* x, int64_t n) {
   return best;
 }
 
+// Strict greedy verification of B rows: row b fed tokens tok[qs[b] .. qs[b+1]) (its token t, then its drafts),
+// logits [T, V] the target's at those positions. Draft i + 1 (tok[qs[b] + 1 + i]) is accepted while it equals the
+// argmax at position i (first index on ties); the row emits its m accepted drafts and the argmax at position m
+// (the bonus). Writes row b of o ([B, ld], ld >= 1 + (kmax + 1)): o[b][0] = m + 1, o[b][1 .. m + 1] = the
+// emitted tokens; m[b] = m. Only a row's own positions are compared: the loop stops before its last one.
+void verify_greedy_rows(const float* logits, int64_t V, const int64_t* tok, const int32_t* qs, int64_t B,
+                        int64_t* o, int64_t ld, std::vector<int64_t>& m) {
+  m.assign(B, 0);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = qs[b + 1] - qs[b];
+    int64_t a = 0;
+    while (a < len - 1 && tok[qs[b] + 1 + a] == argmax_row(logits + (qs[b] + a) * V, V)) ++a;
+    m[b] = a;
+    o[b * ld] = a + 1;
+    for (int64_t i = 0; i < a; ++i) o[b * ld + 1 + i] = tok[qs[b] + 1 + i];
+    o[b * ld + 1 + a] = argmax_row(logits + (qs[b] + a) * V, V);
+  }
+}
+
 // Positions, slots and context lengths of rows that feed `len[b]` tokens from position `first[b]`.
 struct RowsAt {
   std::vector<int64_t> positions, slots;
@@ -390,17 +409,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
   at::Tensor out = at::full({B, 1 + (kmax + 1) + dmax}, -1, ids.options());
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t ld = out.size(1);
-  std::vector<int64_t> m(B), run;
-  for (int64_t b = 0; b < B; ++b) {
-    int64_t a = 0;
-    while (a < len[b] - 1 && tok[qs[b] + 1 + a] == argmax_row(&logits[(qs[b] + a) * V], V)) ++a;
-    m[b] = a;
-    const int64_t bonus = argmax_row(&logits[(qs[b] + a) * V], V);
-    o[b * ld] = a + 1;
-    for (int64_t i = 0; i < a; ++i) o[b * ld + 1 + i] = tok[qs[b] + 1 + i];
-    o[b * ld + 1 + a] = bonus;
+  std::vector<int64_t> m, run;
+  verify_greedy_rows(logits.data(), V, tok, qs, B, o, ld, m);
+  for (int64_t b = 0; b < B; ++b)
     if (nd[b] > 0) run.push_back(b);     // 3. the MTP forwards, for the rows that want drafts
-  }
   at::Tensor window = at::empty({0}, hidden_t.options());
   if (run.empty()) return {out, hidden_t, window};
   if (vanilla)
@@ -410,6 +422,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
     eagle_chain(W, mtp_layer, caches, run, hidden, qs, st, nd, m, o, ld, kmax, win, tables, max_blocks, page, cos,
                 sin, confidence);
   return {out, hidden_t, window};
+}
+
+// The step's verification alone, on given logits (tests feed it hand-checked tables): logits [T, V] float32,
+// ids [T] int64 (each row's token then its drafts), query_start [B + 1] int32 -> [B, 1 + max row length] int64:
+// (n, emitted tokens, -1 padded), as mtp_step's first columns.
+at::Tensor verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& query_start) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous() &&
+                  ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous() &&
+                  query_start.scalar_type() == at::kInt && query_start.dim() == 1 && query_start.is_contiguous() &&
+                  query_start.numel() >= 2 && logits.size(0) == ids.numel(),
+              "verify_greedy: logits float32 [T, V], ids int64 [T], query_start int32 [B + 1]");
+  const int64_t B = query_start.numel() - 1, T = ids.numel(), V = logits.size(1);
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[B] == T, "verify_greedy: query_start must run from 0 to T");
+  int64_t width = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(qs[b + 1] > qs[b], "verify_greedy: row ", b, " feeds no token");
+    width = std::max<int64_t>(width, qs[b + 1] - qs[b]);
+  }
+  at::Tensor out = at::full({B, 1 + width}, -1, ids.options());
+  std::vector<int64_t> m;
+  verify_greedy_rows(logits.data_ptr<float>(), V, ids.data_ptr<int64_t>(), qs, B, out.data_ptr<int64_t>(), 1 + width,
+                     m);
+  return out;
 }
 
 }  // namespace mtp_core
