@@ -185,6 +185,8 @@ def summarize_decoding(records: list[RequestRecord], max_draft_len: int, mode: s
         # adaptive draft length (histograms indexed by a number of drafts, 0..K)
         "drafts_per_step_histogram": list(s.drafts_per_step),
         "mean_drafts_per_step": s.mean_drafts_per_step,
+        "drafting_acceptance_length": s.drafting_acceptance_length,
+        "drafting_share": s.drafting_share,
         "draft_limit_histogram": list(s.draft_limit_per_step),
         "waste_verified_per_accepted": s.waste if s.num_draft_accepted else None,
         "num_window_pauses": s.num_window_pauses,

@@ -70,6 +70,24 @@ class SpecStats:
         return sum(i * c for i, c in enumerate(self.drafts_per_step)) / n if n else 0.0
 
     @property
+    def num_drafting_steps(self) -> int:
+        """Decode steps (of one request each) that verified at least one draft."""
+        return self.proposed_per_position[0] if self.proposed_per_position else 0
+
+    @property
+    def drafting_acceptance_length(self) -> float:
+        """AL of the steps that drafted: 1 + accepted drafts per such step (vLLM's mean acceptance length). Under
+        the cost policy a step may verify no draft; this says what drafting achieves when it happens."""
+        n = self.num_drafting_steps
+        return 1.0 + self.num_draft_accepted / n if n else 0.0
+
+    @property
+    def drafting_share(self) -> float:
+        """The share of decode steps that verified at least one draft."""
+        n = sum(self.drafts_per_step)
+        return self.num_drafting_steps / n if n else 0.0
+
+    @property
     def acceptance_per_position(self) -> list[float]:
         return [a / p if p else 0.0 for a, p in zip(self.accepted_per_position, self.proposed_per_position)]
 
@@ -80,6 +98,8 @@ class SpecStats:
             f"drafts proposed: {self.num_draft_proposed}, accepted: {self.num_draft_accepted}, "
             f"draft acceptance rate: {self.draft_acceptance_rate:.3f}",
             f"acceptance length (AL): {self.acceptance_length:.3f}",
+            f"AL of the steps that drafted: {self.drafting_acceptance_length:.3f}, in "
+            f"{100 * self.drafting_share:.1f}% of the decode steps",
             f"acceptance per draft position: [{per_pos}]",
             "accepted / proposed per draft position: ["
             + ", ".join(f"{a}/{p}" for a, p in zip(self.accepted_per_position, self.proposed_per_position)) + "]",
