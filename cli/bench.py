@@ -91,6 +91,11 @@ def bench_command(
     disable_kv_cache_reuse: bool = brief_option("disable_kv_cache_reuse"),
     extra_llm_api_options: Optional[Path] = EXTRA_OPTIONS,
     num_threads: Optional[int] = NUM_THREADS,
+    replay_acceptance: Optional[str] = typer.Option(
+        None, "--replay_acceptance",
+        help="Benchmarks only: after every MTP forward, replace the drafts with the target's own greedy continuation "
+             "(recorded by a run without MTP first), kept per position at these rates: 'r1' (DeepSeek-R1's "
+             "0.92,0.72,0.36) or a list like 0.9,0.7. For random-weight checkpoints; labelled in the report."),
     roofline: bool = typer.Option(False, "--roofline", help="Measure memory bandwidth; print the floor step time."),
     bandwidth_mib: int = typer.Option(256, "--bandwidth_mib", help="Buffer size of the bandwidth measurement."),
     report_json: Optional[Path] = REPORT_JSON,
@@ -132,6 +137,14 @@ def bench_command(
         llm = LLM(cfg, iter_log=None)
         prompts = [encode_request(llm.tokenizer, r) for r in requests]
         outs = [r.output_tokens for r in requests]
+        replay = None
+        if replay_acceptance is not None:
+            if cfg.speculative_config is None:
+                raise ValueError("--replay_acceptance replaces MTP drafts; turn MTP on (--spec_decode_algo MTP)")
+            replay = _replay(llm, cfg, prompts, outs, concurrency, ignore_eos, replay_acceptance)
+            llm.engine.replay = replay
+            print(f"note: draft acceptance is {replay.label()}: the MTP forwards run, their drafts are replaced",
+                  file=sys.stderr)
         if warmup:
             idx = [i % len(prompts) for i in range(warmup)]
             run_requests(llm.engine, [prompts[i] for i in idx], [outs[i] for i in idx], concurrency, ignore_eos)
@@ -145,6 +158,9 @@ def bench_command(
                               {"warmup": warmup, "ignore_eos": ignore_eos})
         if cfg.speculative_config is not None:
             report["draft_len_policy"] = llm.engine.policy.summary()   # its cost table, acceptance, re-tries
+        if replay is not None:
+            report["replay_acceptance"] = {"rates": list(replay.rates), "label": replay.label(),
+                                           "steps_replaced": replay.num_replaced}
         report["prefix_cache"] = {"enabled": cfg.kv_cache_config.enable_block_reuse,
                                   **llm.engine.blocks.stats.as_dict()}
         if roofline:
@@ -166,6 +182,30 @@ def bench_command(
 
     run_or_exit(run)
 
+
+
+def _replay(llm, cfg, prompts: list[list[int]], outs: list[int], concurrency: int, ignore_eos: bool, rates: str):
+    """The acceptance replay of --replay_acceptance: every prompt's greedy continuation from an engine without MTP
+    on the same model (its own small KV pool), then the replay that hands it out (speculative/replay.py)."""
+    import dataclasses
+
+    from mtp_core.bench.runner import run_requests
+    from mtp_core.config import KvCacheConfig
+    from mtp_core.engine.engine import Engine
+    from mtp_core.speculative.replay import ReplayDrafts, parse_rates
+
+    parsed = parse_rates(rates)
+    need = max(len(p) + n for p, n in zip(prompts, outs)) + 16
+    c = concurrency if concurrency > 0 else len(prompts)
+    plain_cfg = dataclasses.replace(cfg, speculative_config=None,
+                                    kv_cache_config=KvCacheConfig(max_tokens=max(need * min(c, 8), 1024)))
+    plain = Engine(llm.model, plain_cfg, list(llm.tokenizer.eos_token_ids), llm.tokenizer.think_token_ids())
+    try:
+        records = run_requests(plain, prompts, outs, min(c, 8), ignore_eos)
+    finally:
+        plain.close()
+    conts = {tuple(p): list(r.output_ids) for p, r in zip(prompts, records)}
+    return ReplayDrafts(parsed, conts, llm.model.config.vocab_size)
 
 
 def _run_http(ctx: typer.Context, base_url: str, dataset: Path, num_requests: int, concurrency: int, warmup: int,

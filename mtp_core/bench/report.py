@@ -188,9 +188,12 @@ def format_report(r: dict) -> str:
                *_breakdown("ITL", s["itl_percentiles"])])]
     per_pos = ", ".join(f"{x:.3f}" for x in d["acceptance_per_position"]) or "-"
     out.append(_section(f"DECODING STATISTICS ({d['mode']})", [
+        *([("DRAFT ACCEPTANCE", r["replay_acceptance"]["label"])] if r.get("replay_acceptance") else []),
         ("Max draft length (K)", d["max_draft_len"]), ("Decoding steps", d["num_decoding_steps"]),
         ("Drafts proposed", d["num_draft_tokens"]), ("Drafts accepted", d["num_accepted_draft_tokens"]),
         ("Draft acceptance rate", d["draft_acceptance_rate"]), ("Acceptance length (AL)", d["acceptance_length"]),
+        ("AL of the steps that drafted", d.get("drafting_acceptance_length", 0.0)),
+        ("Share of decode steps that drafted", d.get("drafting_share", 0.0)),
         ("Acceptance per draft position", f"[{per_pos}]"),
         ("Accepted / proposed per position", "[" + ", ".join(
             f"{a}/{n}" for a, n in zip(d["accepted_per_position"], d["proposed_per_position"])) + "]"),

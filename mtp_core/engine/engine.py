@@ -106,6 +106,8 @@ class Engine:
         self.pool_tokens = (num_blocks - (self.graphs is not None)) * kv.tokens_per_block
         self.grammar_factory: Optional[Callable[[], GrammarBackend]] = None   # set by LLM (it has the tokenizer)
         self.grammars: Optional[GrammarBackend] = None
+        # benchmarks only: replaces the proposed drafts to meet a given acceptance (speculative/replay.py)
+        self.replay: Optional[Callable[[Sequence, list[int]], list[int]]] = None
 
     def _make_policy(self) -> DraftLenPolicy:
         """The draft-length policy (speculative/policy.py). Under tensor / expert parallelism every rank
@@ -294,7 +296,14 @@ class Engine:
 
     def _propose(self, inputs: list[DraftInput], step: StepOutput) -> list[list[int]]:
         """Each row's next drafts: the fused step's, cut to the chosen counts; else the drafter's, through the
-        backlog (speculative/backlog.py), while the overlap worker prepares the next step."""
+        backlog (speculative/backlog.py), while the overlap worker prepares the next step. With an acceptance
+        replay (benchmarks only, speculative/replay.py) the drafts are then replaced."""
+        drafts = self._drafts(inputs, step)
+        if self.replay is not None:
+            drafts = [self.replay(i.seq, d) for i, d in zip(inputs, drafts)]
+        return drafts
+
+    def _drafts(self, inputs: list[DraftInput], step: StepOutput) -> list[list[int]]:
         if step.drafts is not None:
             return [step.drafts[i.seq.request_id][:i.max_drafts] for i in inputs]
         if self.drafter is None:
