@@ -195,7 +195,7 @@ def test_lagging_rows_resume_only_when_their_catch_up_pays():
 
 def test_observe_updates_acceptance_per_position():
     """Per request: the n-th observation weighs max(0.1, 1/(n+1)) (the prior, the engine-wide estimate,
-    counts as 1 observation); engine-wide max(0.05, 1/(n+2)), from 0.8. A step with 3 drafts and 1
+    counts as 1 observation); engine-wide max(0.05, 1/(n+1)), from 0.8. A step with 3 drafts and 1
     accepted observes position 1 accepted, position 2 rejected, position 3 not at all: the rejection caps it
     (it moves toward min(itself, position 2's) by the same weight), then it moves 10% of the way to the
     engine-wide estimate."""
@@ -204,8 +204,8 @@ def test_observe_updates_acceptance_per_position():
     p = DraftLenPolicy(3, DraftPolicy(3), "cost")
     s = seq().mtp
     p.observe(s, 3, 1)                   # weight 1/2: .8 -> .9 (accepted), .8 -> .4 (rejected), .8 -> .6 (capped)
-    e = [0.8 + 0.2 / 3, 0.8 - 0.8 / 3]   # engine-wide, weight 1/3; its position 3 capped by position 2 too
-    e.append(0.8 + (e[1] - 0.8) / 3)
+    e = [0.9, 0.4]                       # engine-wide, weight 1/2; its position 3 capped by position 2 too
+    e.append(0.8 + (e[1] - 0.8) / 2)
     assert p.accept == pytest.approx(e)
     assert s.accept_est == pytest.approx([0.9, 0.4, 0.6 + 0.1 * (e[2] - 0.6)])
     p.accept[2] = 0.3

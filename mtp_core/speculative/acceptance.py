@@ -3,7 +3,7 @@
 a_j = the chance that draft j is accepted when drafts 1..j-1 were, per request: an exponentially weighted
 mean of its own steps (weight 0.1; the first observations weigh 1/(n+1), the prior counting as one
 observation, and so do the first ones after 16 steps without any), starting from the engine-wide mean
-(weight 0.05, prior 0.8 counting as 2). The prior is weak on purpose: an MTP head that predicts nothing
+(weight 0.05, prior 0.8 counting as 1 too). The prior is weak on purpose: an MTP head that predicts nothing
 (random or broken weights, a quantized head that lost it) shows it in the first draft it proposes, and
 every drafting step it costs is a step slower than decoding without MTP. A rejected draft j also caps the
 positions after it that went unobserved (their estimate moves toward j's by the same weight): a chain
@@ -25,7 +25,7 @@ ACCEPT_WEIGHT = 0.1        # weight of a request's newest observation in its acc
 GLOBAL_WEIGHT = 0.05       # the same for the engine-wide estimate new requests start from
 PRIOR_ACCEPT = 0.8         # the engine-wide estimate before any observation (optimistic: draft first)
 PRIOR_WEIGHT = 1           # observations a request's prior (the engine-wide estimate) counts as; the
-                           # engine-wide estimate's prior counts twice that
+                           # engine-wide estimate's prior counts as much (a new request starts from it)
 RELAX = 0.1                # per step a draft position is not observed, a request's estimate there moves this
                            # far back to the engine-wide one (what it showed goes stale: a trace changes phase)
 GLOBAL_RELAX = 0.02        # per step in which no request verified a draft, the engine-wide estimate moves this
@@ -63,7 +63,7 @@ def learn(mtp: MTPState, engine: list[float], num_engine_observed: int, now: int
     # before is a prior now: the request, or the workload, may have changed)
     mtp.accept_n = 1 if now - mtp.accept_step > STALE else mtp.accept_n + 1
     w = max(ACCEPT_WEIGHT, 1.0 / (mtp.accept_n + PRIOR_WEIGHT))
-    wg = max(GLOBAL_WEIGHT, 1.0 / (num_engine_observed + 2 * PRIOR_WEIGHT))
+    wg = max(GLOBAL_WEIGHT, 1.0 / (num_engine_observed + PRIOR_WEIGHT))
     seen = min(accepted + 1, proposed)
     for j in range(seen):
         x = 1.0 if j < accepted else 0.0
