@@ -289,11 +289,20 @@ inline float post_of(const Mat& W) { return W.fmt == kNVFP4 ? W.gscale2 * 256.0f
 // than L1's (measured on Zen 4, one thread, a 64 MB bf16 matrix: 20 GB/s without, 29.8 with: the read floor).
 constexpr int kPfTiles = 2;
 
-template <int FMT, int R, typename Dec>
-inline void one_tile(const Mat& W, const Dec& dec, const uint16_t* x, int64_t n, float* y, float* sc) {
-  __m512 acc[R], blk[R];
+template <int FMT, int R, int TT, typename Dec>
+inline void one_tile(const Mat& W, const Dec& dec, const uint16_t* xb, int64_t xld, int64_t n, float* Y, int64_t ldy,
+                     float* sc) {
+  constexpr bool kBlk = FMT == kFP8;
+  __m512 acc[R][TT], blk[kBlk ? R : 1][kBlk ? TT : 1];
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r] = blk[r] = _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_setzero_ps();
+  if constexpr (kBlk)
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int t = 0; t < TT; ++t) blk[r][t] = _mm512_setzero_ps();
   const int64_t K = W.k, steps = steps_of(K), full = K / kStep, sc_ld = K / 16 + 32;
   const char* rp[R];
 #pragma GCC unroll 16
@@ -315,38 +324,64 @@ inline void one_tile(const Mat& W, const Dec& dec, const uint16_t* x, int64_t n,
         if (Dec::kBytes > 64) __builtin_prefetch(a + 64, 0, 2);
       }
     }
-    const __m512i x0 = _mm512_loadu_si512(x + kStep * s), x1 = _mm512_loadu_si512(x + kStep * s + 32);
+    __m512i x0[TT], x1[TT];
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) {
+      x0[t] = _mm512_loadu_si512(xb + t * xld + kStep * s);
+      x1[t] = _mm512_loadu_si512(xb + t * xld + kStep * s + 32);
+    }
     const bool whole = s < full;
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       __m512i w0, w1;
       if (whole) dec.full(rp[r] + Dec::kBytes * s, w0, w1); else dec.part(rp[r] + Dec::kBytes * s, K - kStep * s, w0, w1);
-      if (FMT == kBF16) {
-        acc[r] = dp(dp(acc[r], w0, x0), w1, x1);
-      } else if (FMT == kFP8) {
-        blk[r] = dp(dp(blk[r], w0, x0), w1, x1);
+      if constexpr (FMT == kNVFP4) {
+        const __m512 sv = nvfp4_step_scales(sc + r * sc_ld, s, K);
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_fmadd_ps(dp(dp(_mm512_setzero_ps(), w0, x0[t]), w1, x1[t]), sv, acc[r][t]);
       } else {
-        const __m512 part = dp(dp(_mm512_setzero_ps(), w0, x0), w1, x1);
-        acc[r] = _mm512_fmadd_ps(part, nvfp4_step_scales(sc + r * sc_ld, s, K), acc[r]);
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; ++t) {
+          if constexpr (kBlk) blk[r][t] = dp(dp(blk[r][t], w0, x0[t]), w1, x1[t]);
+          else acc[r][t] = dp(dp(acc[r][t], w0, x0[t]), w1, x1[t]);
+        }
       }
     }
-    if (FMT == kFP8 && ((s & 1) || s == steps - 1)) {
+    if constexpr (kBlk) {
+      if ((s & 1) || s == steps - 1) {
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        acc[r] = _mm512_fmadd_ps(blk[r], _mm512_set1_ps(fp8_block_scale(W, n + r, s >> 1)), acc[r]);
-        blk[r] = _mm512_setzero_ps();
+        for (int r = 0; r < R; ++r) {
+          const __m512 sv = _mm512_set1_ps(fp8_block_scale(W, n + r, s >> 1));
+#pragma GCC unroll 4
+          for (int t = 0; t < TT; ++t) {
+            acc[r][t] = _mm512_fmadd_ps(blk[r][t], sv, acc[r][t]);
+            blk[r][t] = _mm512_setzero_ps();
+          }
+        }
       }
     }
   }
-  store_rows<R>(acc, W, n, y, post_of(W));
+  const float post = post_of(W);
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t) {
+    __m512 a[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) a[r] = acc[r][t];
+    store_rows<R>(a, W, n, Y + t * ldy, post);
+  }
 }
 
-template <int FMT, typename Dec>
-void gemm_one(const Mat& W, const uint16_t* x, int64_t n0, int64_t n1, float* y, float* sc) {
+// One to four tokens: every weight decoded once in registers and used for all of them, R rows in flight (one
+// token: 8, a memory-bound GEMV; more: 4, or 2 where FP8's two accumulators per output would not fit the
+// register file).
+template <int FMT, int TT, typename Dec>
+void gemm_few(const Mat& W, const uint16_t* xb, int64_t xld, int64_t n0, int64_t n1, float* Y, int64_t ldy,
+              float* sc) {
+  constexpr int R = TT == 1 ? 8 : (FMT == kFP8 && TT > 2) ? 2 : 4;
   const Dec dec;
   int64_t n = n0;
-  for (; n + 8 <= n1; n += 8) one_tile<FMT, 8>(W, dec, x, n, y, sc);
-  for (; n < n1; ++n) one_tile<FMT, 1>(W, dec, x, n, y, sc);
+  for (; n + R <= n1; n += R) one_tile<FMT, R, TT>(W, dec, xb, xld, n, Y, ldy, sc);
+  for (; n < n1; ++n) one_tile<FMT, 1, TT>(W, dec, xb, xld, n, Y, ldy, sc);
 }
 
 // ---- several tokens: R rows decoded once (bf16: read in place), register tiles of R rows x TT tokens ---
@@ -597,11 +632,15 @@ void gemm_pairs(const Mat& W, const uint16_t* xb, int64_t xld, int64_t T, int64_
 
 template <int FMT, typename Dec>
 void gemm_fmt(const Mat& W, const uint16_t* xb, int64_t ld, int64_t T, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
-  if (T == 1) {
-    float* sc = FMT == kNVFP4 ? Scratch::grow(tls.f, tls.f_cap, 8 * (W.k / 16 + 32)) : nullptr;
-    gemm_one<FMT, Dec>(W, xb, n0, n1, Y, sc);
-  } else {
-    gemm_many<FMT, Dec>(W, xb, ld, T, n0, n1, Y, ldy);
+  // bf16 weights need no decode: tiles over the rows in place for any T > 1. FP8 / NVFP4: up to 4 tokens
+  // decode in registers (a verify window reads its weights once); more decode a tile of rows once into scratch.
+  float* sc = FMT == kNVFP4 ? Scratch::grow(tls.f, tls.f_cap, 8 * (W.k / 16 + 32)) : nullptr;
+  switch (T == 1 ? 1 : FMT == kBF16 ? 0 : T) {
+    case 1: return gemm_few<FMT, 1, Dec>(W, xb, ld, n0, n1, Y, ldy, sc);
+    case 2: return gemm_few<FMT, 2, Dec>(W, xb, ld, n0, n1, Y, ldy, sc);
+    case 3: return gemm_few<FMT, 3, Dec>(W, xb, ld, n0, n1, Y, ldy, sc);
+    case 4: return gemm_few<FMT, 4, Dec>(W, xb, ld, n0, n1, Y, ldy, sc);
+    default: return gemm_many<FMT, Dec>(W, xb, ld, T, n0, n1, Y, ldy);
   }
 }
 
