@@ -53,7 +53,8 @@ def parse_json(raw: bytes) -> dict:
         raise APIError(400, f"the request body is not valid JSON ({getattr(e, 'msg', e)} at position "
                             f"{getattr(e, 'pos', '?')}); send a JSON object", code="invalid_json") from None
     except RecursionError:
-        raise APIError(400, "the request body is nested too deeply; send a flat JSON object", code="invalid_json") from None
+        raise APIError(400, "the request body is nested too deeply; send a flat JSON object",
+                       code="invalid_json") from None
     except ValueError as e:             # NaN / Infinity, an integer of more than 4300 digits
         raise APIError(400, f"the request body is not valid JSON ({str(e).splitlines()[0][:120]}); send a JSON "
                             "object", code="invalid_json") from None
@@ -69,7 +70,8 @@ def validate_body(data: dict, model: type[BaseModel]) -> Any:
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        raise APIError(400, _first_error(e), param=_where(first["loc"]) or None, code=_CODES.get(first["type"])) from None
+        raise APIError(400, _first_error(e), param=_where(first["loc"]) or None,
+                       code=_CODES.get(first["type"])) from None
 
 
 _CODES = {"extra_forbidden": "unknown_parameter", "missing": "missing_required_parameter", **{

@@ -4,10 +4,10 @@ Bodies are parsed (parse.py) with pydantic in strict mode (`"5"` is not an integ
 an integer is a valid float). Every field of OpenAI's API reference for the two endpoints is accepted; a field no API
 defines is a 400 that names it. Fields that ask for something this server cannot do (audio, `suffix`, ...) are
 accepted at their neutral value only; any other value is a 400 that says what to send instead (code
-unsupported_value). Tools and tool_choice are checked in tools.py, which knows the chat template. Fields with no meaning here (`user`, `store`, `metadata`, `service_tier`,
-`reasoning_effort`, ...) are accepted and ignored (docs/serving.md lists them). Extensions (vLLM's names):
-`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
-`ignore_eos`.
+unsupported_value). Tools and tool_choice are checked in tools.py, which knows the chat template. Fields with no
+meaning here (`user`, `store`, `metadata`, `service_tier`, `reasoning_effort`, ...) are accepted and ignored
+(docs/serving.md lists them). Extensions (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`.
 """
 from __future__ import annotations
 

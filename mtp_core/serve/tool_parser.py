@@ -223,7 +223,10 @@ class ToolCallParser:
         text = text.strip()
         if self._fenced:
             # open: any backticks at the end may be the fence; closed: the fence is the last three
-            text = text[:-3].rstrip() if closed and text.endswith("```") else text if closed else text.rstrip("`").rstrip()
+            if not closed:
+                text = text.rstrip("`").rstrip()
+            elif text.endswith("```"):
+                text = text[:-3].rstrip()
         if len(text) > self._sent:
             piece = text[self._sent:]
             self._sent = len(text)

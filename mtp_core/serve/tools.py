@@ -104,8 +104,8 @@ def template_messages(messages: list[Message]) -> list[dict]:
                                     "messages carry tool_calls", param=f"messages[{i}].tool_calls",
                                code="invalid_value")
             d["tool_calls"] = [c.plain() for c in m.tool_calls]
-            if m.content is None:
-                d["content"] = None
+            if not d["content"]:
+                d["content"] = None        # R1's own template renders the calls only of a message whose content is null
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id
         if m.name is not None:
@@ -193,8 +193,8 @@ def check_history(messages: list[dict], caps: TemplateTools, template: str) -> N
     for i, m in enumerate(messages):
         if m.get("tool_calls") and not caps.renders_calls:
             raise APIError(400, f"messages[{i}] has tool_calls, which {template} does not render (the model would not "
-                                "see the calls it made); send them as text in content", param=f"messages[{i}].tool_calls",
-                           code="unsupported_value")
+                                "see the calls it made); send them as text in content",
+                           param=f"messages[{i}].tool_calls", code="unsupported_value")
         if m["role"] == "tool" and not caps.renders_results:
             raise APIError(400, f"messages[{i}] has role tool, which {template} does not render; send the tool's "
                                 "result as a user message", param=f"messages[{i}].role", code="unsupported_value")
