@@ -28,13 +28,14 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "typer>=0.12", "rich", "pyyaml", "safetensors", "tokenizers", "jinja2",
                       "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27",    # `mtp serve`, `mtp bench --base_url`
-                      "msgspec>=0.18"],                                     # serve: API <-> engine process messages
+                      "msgspec>=0.18",                                      # serve: API <-> engine process messages
+                      # serve: response_format, structured_outputs, forced tool calls (xgrammar asks for torch>=1.10,
+                      # so the torch already installed stays; transformers builds its tokenizer view)
+                      "xgrammar>=0.1.25", "transformers>=4.57"],
     extras_require={
         "test": ["pytest", "hypothesis", "transformers>=4.57", "openai>=1.40", "httpx>=0.27", "jsonschema",
                  "langchain-openai", "xgrammar>=0.1.25"],
-        # serve: response_format json_object / json_schema, structured_outputs (xgrammar depends on torch: install
-        # it with --no-deps next to the torch you have, plus apache-tvm-ffi, numpy, pydantic)
-        "structured": ["xgrammar>=0.1.25", "transformers>=4.57"],
+        "structured": [],      # kept for old install commands: structured output's packages are dependencies now
         "peers": ["transformers>=4.57"],
         "plot": ["matplotlib"],
         "gpu": ["deep_gemm"],

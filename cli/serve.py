@@ -76,12 +76,30 @@ def _build_signature() -> None:
                                               f"without --max_num_tokens a step holds max_batch_size x (K+1) + "
                                               f"{SERVE_PREFILL_CHUNK} tokens)."))
           if p.name == "enable_chunked_prefill" else p for p in ps]
+    # the engine shares the machine with the API process: by default it leaves that process a core
+    ps = [p.replace(default=typer.Option(None, "--num_threads", help="CPU threads of the engine (default: torch's "
+                                                                     "choice, at most the usable CPUs minus one, which "
+                                                                     "is left to the API process)."))
+          if p.name == "num_threads" else p for p in ps]
     ps = ps[:1] + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in ps[1:]] + _serve_options()
     serve_command.__signature__ = base.replace(parameters=ps)          # type: ignore[attr-defined]
     serve_command.__annotations__ = {p.name: p.annotation for p in ps} | {"return": None}
 
 
 _build_signature()
+
+
+def engine_threads(torch_default: Optional[int] = None, usable_cpus: Optional[int] = None) -> int:
+    """The engine's CPU threads without --num_threads: torch's default, but at most the usable CPUs minus one, so
+    that the API process (HTTP, JSON, tokenizing, detokenizing) has a core of its own, as vLLM's CPU backend
+    reserves one. On a machine with more cores than torch takes (torch uses the physical cores) nothing changes."""
+    if torch_default is None:
+        import torch
+
+        torch_default = torch.get_num_threads()
+    if usable_cpus is None:
+        usable_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(torch_default, usable_cpus - 1))
 
 
 class _Interrupted(Exception):
@@ -122,6 +140,9 @@ def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
     options = ServeOptions(api_key=p["api_key"], allowed_origins=origins, max_request_bytes=p["max_request_bytes"])
     options.validate()
     cfg = build_llm_config(p, explicit)
+    if cfg.num_threads is None and cfg.device == "cpu":
+        cfg.num_threads = engine_threads()
+        log.info("engine threads: %d (--num_threads to change)", cfg.num_threads)
     if cfg.enable_chunked_prefill and "max_num_tokens" not in explicit:
         k = cfg.speculative_config.max_draft_len if cfg.speculative_config else 0
         cfg.max_num_tokens = cfg.max_batch_size * (k + 1) + SERVE_PREFILL_CHUNK

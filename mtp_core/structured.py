@@ -22,6 +22,7 @@ d1, accepted; position 1 allows only "o": the masked argmax is "o" != d2, so the
 from __future__ import annotations
 
 import json
+import re
 import threading
 from typing import Any, Optional
 
@@ -29,7 +30,9 @@ import torch
 
 from mtp_core.sampling import SamplingParams, sample_tokens
 
-GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice")
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "tool_calls")
+# an internal error's location in xgrammar's messages ("[12:00:00] /project/cpp/x.cc:123: "): not the client's business
+_WHERE = re.compile(r"^\s*(\[[0-9:]+\]\s*)?([^\s:]+\.(cc|cpp|h|hpp|py):\d+:?\s*)?")
 
 
 class GrammarBackend:
@@ -73,19 +76,23 @@ class GrammarBackend:
                     options = json.loads(spec)
                     ebnf = "root ::= " + " | ".join(json.dumps(o) for o in options)
                     compiled = self.compiler.compile_grammar(ebnf)
+                elif kind == "tool_calls":
+                    compiled = self.compiler.compile_grammar(tool_calls_grammar(self.xgr, json.loads(spec)))
                 else:
                     raise ValueError(f"unknown structured output kind {kind!r}; use one of {', '.join(GUIDED_KINDS)}")
             except ValueError:
                 raise
             except Exception as e:  # noqa: BLE001 - xgrammar's own errors: a bad schema or regex
-                first = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise ValueError(f"the {kind} cannot be compiled to a grammar: {first[:200]}") from None
+                first = _WHERE.sub("", str(e).splitlines()[0]) if str(e) else ""
+                what = "the tools' parameters" if kind == "tool_calls" else f"the {kind}"
+                raise ValueError(f"{what} cannot be compiled to a grammar: {first[:200] or type(e).__name__}") from None
             if len(self._cache) > 256:
                 self._cache.clear()
             self._cache[(kind, spec)] = compiled
             return compiled
 
     def matcher(self, guided: tuple[str, str]) -> "Guide":
+        # (tool_calls: the markup needs newlines; its JSON strings exclude raw control characters in xgrammar's rule)
         forbid = self.forbid
         if guided[0] in ("json_object", "json_schema"):
             forbid = self._json_forbid()
@@ -112,6 +119,34 @@ class GrammarBackend:
         if guide.forbid:
             row[0, guide.forbid] = float("-inf")
         return row.view(-1)
+
+
+def tool_calls_grammar(xgr: Any, spec: dict) -> Any:
+    """Tool calls in DeepSeek's markup: `<｜tool▁calls▁begin｜>`, `min`..`max` calls to the `tools` ([name, parameters
+    schema] pairs), each one's arguments a compact JSON value of its schema, then `<｜tool▁calls▁end｜>` (and the
+    grammar ends: the next token is EOS). format "deepseek-v3" (V3, R1): `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME
+    \\n```json\\nARGS\\n```<｜tool▁call▁end｜>`, newline-separated; "deepseek-v3.1": `<｜tool▁call▁begin｜>NAME
+    <｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`."""
+    from mtp_core.chat_format import TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_SEP
+
+    def lit(text: str) -> Any:
+        return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text))
+
+    v3 = spec["format"] == "deepseek-v3"
+    calls = []
+    for name, schema in spec["tools"]:
+        head = TOOL_CALL_BEGIN + ("function" + TOOL_SEP + name + "\n```json\n" if v3 else name + TOOL_SEP)
+        args = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        calls.append(xgr.Grammar.concat(lit(head), args, lit(("\n```" if v3 else "") + TOOL_CALL_END)))
+    call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
+    sep = "\n" if v3 else ""
+    options = []
+    for n in range(spec["min"], spec["max"] + 1):
+        parts = [lit(TOOL_CALLS_BEGIN), call]
+        for _ in range(n - 1):
+            parts += [lit(sep), call] if sep else [call]
+        options.append(xgr.Grammar.concat(*parts, lit(TOOL_CALLS_END)))
+    return options[0] if len(options) == 1 else xgr.Grammar.union(*options)
 
 
 class Guide:

@@ -179,8 +179,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def stream_decoder(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
-        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+    def stream_decoder(self, skip_special_tokens: bool = True, keep: Sequence[int] = ()) -> "IncrementalDetokenizer":
+        """keep: special tokens shown even though the others are skipped (a tool-call parser reads its markup)."""
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, keep=keep)
+
+    def special_ids(self, tokens: Sequence[str]) -> list[int]:
+        """The ids of those of `tokens` that are special tokens of this vocabulary (decoding skips them)."""
+        added = self._tok.get_added_tokens_decoder()
+        ids = [self._tok.token_to_id(t) for t in tokens]
+        return [i for i in ids if i is not None and i in added and added[i].special]
 
     # ---- chat template ------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
@@ -228,9 +235,14 @@ class IncrementalDetokenizer:
     `flush()` at the end emits whatever is left, so the pieces always join to `decode(all_ids)`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, keep: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        # skip every special token but `keep`: decode without skipping, the others left out first
+        self._drop = None
+        if keep and skip_special_tokens:
+            added = tokenizer._tok.get_added_tokens_decoder()
+            self._drop = {i for i, t in added.items() if t.special} - set(keep)
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -244,8 +256,8 @@ class IncrementalDetokenizer:
     def feed(self, token_id: int) -> str:
         """Add one id; return the newly completed text ("" when nothing is complete yet)."""
         self._ids.append(int(token_id))
-        head = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
-        window = self._tok.decode(self._ids[self._prefix:], self._skip)
+        head = self._decode(self._ids[self._prefix:self._read])
+        window = self._decode(self._ids[self._prefix:])
         if len(window) <= len(head) or window.endswith(_REPLACEMENT) or not window.startswith(head):
             return ""
         piece = window[len(head):]
@@ -253,9 +265,14 @@ class IncrementalDetokenizer:
         self._text += piece
         return piece
 
+    def _decode(self, ids: list[int]) -> str:
+        if self._drop is None:
+            return self._tok.decode(ids, self._skip)
+        return self._tok.decode([i for i in ids if i not in self._drop], skip_special_tokens=False)
+
     def flush(self) -> str:
         """Emit what is still held back (possibly a trailing U+FFFD if the ids end mid-character)."""
-        full = self._tok.decode(self._ids, self._skip)
+        full = self._decode(self._ids)
         piece = full[len(self._text):] if full.startswith(self._text) else ""
         self._prefix = self._read = len(self._ids)
         self._text += piece

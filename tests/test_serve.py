@@ -25,7 +25,7 @@ import pytest
 from conftest import llm_config
 from mtp_core.llm import LLM
 from mtp_core.sampling import SamplingParams
-from mtp_core.serve.app import build_app
+from mtp_core.serve.app import ServeOptions, build_app
 from mtp_core.serve.server import server_in_thread
 from mtp_core.serve.text import OutputText
 
@@ -188,47 +188,83 @@ def test_models_health_and_metrics_format(servers) -> None:
 
 # ---- bad input: OpenAI error objects, right status, one line; the server keeps serving -----------
 
-BAD = [
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x",', 400, "not valid JSON"),
-    ("/v1/completions", b"", 400, "body is empty"),
-    ("/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens must be >= 1"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x " * 80}, 400, "shorten the prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": list(range(7, 7 + MAX_SEQ_LEN))}, 400, "shorten the prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 500}, 400, "lower max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 200}, 400, "n must be in [1, 128]"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of (2) must be >= n (3)"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "frobnicate": 1}, 400, "unrecognized request argument: frobnicate"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens must be an integer"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5.5}, 400, "max_tokens must be an integer"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature must be a number"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream must be true or false"),
-    ("/v1/completions", {"model": "tiny", "prompt": 42}, 400, "prompt must be a string or a list of token ids"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 3}, 400, "stop must be a string or a list"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature must be >= 0"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]"),
-    ("/v1/completions", {"model": "tiny", "prompt": [5, 99999]}, 400, "outside the vocabulary"),
-    ("/v1/completions", {"model": "tiny", "prompt": "   "}, 400, "prompt is empty"),
-    ("/v1/completions", {"prompt": "x"}, 400, "missing required argument: model"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages must not be empty"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages must be a list"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "tool", "content": "hi"}]}, 400,
-     "unsupported chat role tool"),
+BAD = [   # path, body, status, a piece of the message, param, code
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x",', 400, "not valid JSON", None, "invalid_json"),
+    ("/v1/completions", b"", 400, "body is empty", None, "invalid_json"),
+    ("/v1/completions", b"[1, 2]", 400, "must be a JSON object", None, "invalid_json"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist", "model", "model_not_found"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens must be >= 1", "max_tokens",
+     "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens must be >= 1", "max_tokens",
+     "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x " * 80}, 400, "shorten the prompt", "prompt",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": list(range(7, 7 + MAX_SEQ_LEN))}, 400, "shorten the prompt", "prompt",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 500}, 400, "lower max_tokens", "max_tokens",
+     "context_length_exceeded"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 200}, 400, "n must be in [1, 128]", "n", "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of (2) must be >= n (3)",
+     "best_of", "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "frobnicate": 1}, 400,
+     "unrecognized request argument: frobnicate", "frobnicate", "unknown_parameter"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "5"}, 400, "max_tokens must be an integer",
+     "max_tokens", "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5.5}, 400, "max_tokens must be an integer",
+     "max_tokens", "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, 400, "temperature must be a number",
+     "temperature", "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream must be true or false", "stream",
+     "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": 42}, 400, "prompt must be a string or a list of token ids", "prompt",
+     "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": 3}, 400, "stop must be a string or a list", "stop",
+     "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature must be >= 0",
+     "temperature", "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p must be in (0, 1]", "top_p",
+     "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5, 99999]}, 400, "outside the vocabulary", "prompt", "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "   "}, 400, "prompt is empty", "prompt", "invalid_value"),
+    ("/v1/completions", {"prompt": "x"}, 400, "missing required argument: model", "model", "missing_required_parameter"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "y"}, 400, "suffix (insertion) is not supported",
+     "suffix", "unsupported_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "(("}}, 400,
+     "the regex cannot be compiled to a grammar: Regex parsing error", "structured_outputs", "invalid_grammar"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages must not be empty", "messages",
+     "invalid_value"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages must be a list", "messages",
+     "invalid_type"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "hi"}]}, 400, "messages[0].role",
+     "messages[0].role", "missing_required_parameter"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "critic", "content": "hi"}]}, 400,
+     "unsupported chat role critic", "messages", "invalid_value"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "function", "content": "hi"}]}, 400,
+     "role function (deprecated by OpenAI)", "messages[0].role", "invalid_value"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, 400, "only assistant messages carry",
+     "messages[0].tool_calls", "invalid_value"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]}, 400, "must be a string",
+     "messages[0].tool_calls[0].function.arguments", "invalid_type"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400,
-     "n must be in [1, 128]"),
+     "n must be in [1, 128]", "n", "invalid_value"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function"}]}, 400, "tools[0] must be {type: function"),
+                              "tools": [{"type": "function"}]}, 400, "tools[0] must be {type: function", "tools[0]",
+     "invalid_value"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                              "max_completion_tokens": 0}, 400, "max_tokens must be >= 1"),
-    ("/v1/nothing", {"model": "tiny"}, 404, "no route"),
+                              "max_completion_tokens": 0}, 400, "max_tokens must be >= 1", "max_tokens", "invalid_value"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+     400, 'the json_schema cannot be compiled to a grammar: Unsupported type "nope"', "response_format",
+     "invalid_grammar"),
+    ("/v1/nothing", {"model": "tiny"}, 404, "no route", None, "unknown_route"),
 ]
 
 
-@pytest.mark.parametrize("path,body,status,needle", BAD, ids=[f"{i}-{b[3][:24]}" for i, b in enumerate(BAD)])
-def test_bad_input_gets_an_openai_error(servers, path, body, status, needle) -> None:
+@pytest.mark.parametrize("path,body,status,needle,param,code", BAD, ids=[f"{i}-{b[3][:24]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_an_openai_error(servers, path, body, status, needle, param, code) -> None:
+    """One line that says what to change, no internal path or line number, the field in `param`, a `code`."""
     url = servers["mtp"]
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(url + path, content=data, headers={"Content-Type": "application/json"}, timeout=30)
@@ -236,9 +272,59 @@ def test_bad_input_gets_an_openai_error(servers, path, body, status, needle) -> 
     err = r.json()["error"]
     assert needle in err["message"], err["message"]
     assert "\n" not in err["message"] and set(err) == {"message", "type", "param", "code"}
+    assert not re.search(r"\.(cc|cpp|h|py):\d+|/project/|Traceback", err["message"]), err["message"]
+    assert (err["param"], err["code"]) == (param, code), err
     # ... and the server still serves
     ok = _client(url).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens >= 1
+
+
+def _errors(url: str) -> dict[tuple[str, str], int]:
+    out: dict[tuple[str, str], int] = {}
+    for m in re.finditer(r'^mtp_http_errors_total\{model_name="[^"]*",status="(\d+)",reason="([^"]*)"\} (\d+)$',
+                         httpx.get(url + "/metrics", timeout=10).text, re.M):
+        out[(m.group(1), m.group(2))] = int(m.group(3))
+    return out
+
+
+def test_every_error_answer_is_counted_by_reason(servers) -> None:
+    """Each 4xx of the table, and the ones the middlewares and the router answer (405, a bad X-Request-Id, 413,
+    a streamed grammar error), adds one to mtp_http_errors_total{status, reason}."""
+    url = servers["mtp"]
+    before = _errors(url)
+    want: dict[tuple[str, str], int] = {}
+    for path, body, status, _, _, code in BAD:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        assert httpx.post(url + path, content=data, timeout=30).status_code == status
+        want[(str(status), code)] = want.get((str(status), code), 0) + 1
+    assert httpx.get(url + "/v1/completions", timeout=10).status_code == 405
+    want[("405", "method_not_allowed")] = 1
+    r = httpx.get(url + "/v1/models", headers={"X-Request-Id": "bad id"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request_id"
+    want[("400", "invalid_request_id")] = 1
+    stream = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+        "structured_outputs": {"regex": "(("}}).text
+    assert '"code": "invalid_grammar"' in stream and '"param": "structured_outputs"' in stream
+    want[("400", "invalid_grammar")] += 1
+    after = _errors(url)
+    got = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    assert got == want
+    assert sum(want.values()) >= 40
+
+
+def test_refusals_of_the_middlewares_are_counted(tiny1_dir) -> None:
+    """401 (no key, on /v1/* and on the tokenizer's routes) and 413 (a body over --max_request_bytes) are counted
+    like the route's errors; /health and /metrics stay open."""
+    app = build_app(_llm(tiny1_dir, 0), "tiny", options=ServeOptions(api_key="k", max_request_bytes=1024))
+    with server_in_thread(app) as url:
+        key = {"Authorization": "Bearer k"}
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+        assert httpx.post(url + "/tokenize", json={"prompt": "x"}, timeout=10).status_code == 401
+        assert httpx.post(url + "/tokenize", json={"prompt": "x"}, headers=key, timeout=10).status_code == 200
+        r = httpx.post(url + "/v1/completions", content=b"x" * 2048, headers=key, timeout=10)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert _errors(url) == {("401", "invalid_api_key"): 2, ("413", "request_too_large"): 1}
 
 
 def test_openai_client_raises_typed_errors(servers) -> None:

@@ -19,9 +19,10 @@ from conftest import llm_config
 from mtp_core.llm import LLM
 from mtp_core.serve.app import build_app
 from mtp_core.serve.server import server_in_thread
+from mtp_core.serve.tools import MAX_PARALLEL_TOOL_CALLS
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fib(n):"]
-MAX_SEQ_LEN = 96
+MAX_SEQ_LEN = 1024                # room for the tool list the chat template renders
 
 
 @pytest.fixture(scope="module")
@@ -377,8 +378,8 @@ BAD = [
     ("/v1/chat/completions", {"min_p": 1.5}, "min_p must be in [0, 1]"),
     ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens must be >= 0"),
     ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice needs tools"),
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tool_choice auto needs a chat template that renders tools"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}}, "send response_format or a forced tool_choice"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
                               "tool_choice": {"type": "function", "function": {"name": "g"}}}, "naming one of the tools (f)"),
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "bad name"}}],
@@ -522,10 +523,12 @@ def test_forced_tool_calls_identical_with_and_without_mtp(servers, pair) -> None
     for which in pair:
         c = _client(servers[which])
         out = []
-        # (with parallel calls allowed, this random model keeps adding calls until max_tokens: one call here)
+        # (the template renders DeepSeek markup: the grammar writes the calls in it; parallel calls unset: at most
+        # MAX_PARALLEL_TOOL_CALLS, then the turn ends)
         for choice, parallel, tools in (({"type": "function", "function": {"name": "get_weather"}}, None, [WEATHER, TIME]),
-                                        ("required", False, [WEATHER, TIME]), ("required", False, [TIME])):
-            kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=75,
+                                        ("required", False, [WEATHER, TIME]), ("required", False, [TIME]),
+                                        ("required", None, [WEATHER, TIME])):
+            kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Paris?"}], max_tokens=440,
                       temperature=0, tools=tools, tool_choice=choice)
             if parallel is not None:
                 kw["parallel_tool_calls"] = parallel
@@ -538,8 +541,8 @@ def test_forced_tool_calls_identical_with_and_without_mtp(servers, pair) -> None
                 jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
             if isinstance(choice, dict):
                 assert [t.function.name for t in ch.message.tool_calls] == ["get_weather"]
-            if parallel is False:
-                assert len(ch.message.tool_calls) == 1
+            assert len(ch.message.tool_calls) == 1 if parallel is False else \
+                1 <= len(ch.message.tool_calls) <= MAX_PARALLEL_TOOL_CALLS
             # streamed: the same calls (named: argument deltas after a first one with the id and name)
             calls: dict[int, dict] = {}
             reasons = []
@@ -555,6 +558,7 @@ def test_forced_tool_calls_identical_with_and_without_mtp(servers, pair) -> None
             assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == \
                 [(t.function.name, t.function.arguments) for t in ch.message.tool_calls]
             assert all(d["id"] for d in calls.values()) and reasons == [ch.finish_reason]
+            assert len([ev for ev in c.chat.completions.create(stream=True, **kw)]) > len(calls) + 3   # not in one piece
             out.append([(t.function.name, t.function.arguments) for t in ch.message.tool_calls])
         got[which] = out
     assert got[pair[0]] == got[pair[1]]
@@ -593,7 +597,7 @@ def test_structured_output_after_the_reasoning_on_the_shipped_model() -> None:
 def test_langchain_structured_output_both_methods(servers) -> None:
     """LangChain's ChatOpenAI against the MTP server: with_structured_output by json_schema and by function calling
     (a named tool_choice) both return a validated object, the same as without MTP; bind_tools (tool_choice auto)
-    is the 400 that names the template."""
+    answers (the tool round trip: tests/test_serve_tools.py)."""
     pytest.importorskip("xgrammar")
     lc = pytest.importorskip("langchain_openai")
     from typing import Literal
@@ -608,13 +612,13 @@ def test_langchain_structured_output_both_methods(servers) -> None:
     got = {}
     for which in ("plain", "eagle"):
         llm = lc.ChatOpenAI(base_url=servers[which] + "/v1", api_key="unused", model="tiny", temperature=0,
-                            max_tokens=70, max_retries=0, timeout=60)
+                            max_tokens=300, max_retries=0, timeout=60)
         out = []
         for method in ("json_schema", "function_calling"):
             pet = llm.with_structured_output(Pet, method=method).invoke("Describe a pet.")
             assert isinstance(pet, Pet)
             out.append(pet.model_dump())
+        reply = llm.bind_tools([Pet]).invoke("Describe a pet.")
+        out.append((reply.content, reply.tool_calls))
         got[which] = out
-        with pytest.raises(openai.BadRequestError, match="tool_choice auto needs a chat template"):
-            llm.bind_tools([Pet]).invoke("Describe a pet.")
     assert got["plain"] == got["eagle"]

@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from cli.serve import engine_threads
 from conftest import llm_config
 from mtp_core.llm import LLM
 from mtp_core.sampling import SamplingParams
@@ -328,10 +329,12 @@ def test_valid_extremes_are_served(servers_default) -> None:
 def test_bad_input_over_the_engine_process(proc) -> None:
     """The table of test_serve's bad bodies, now through the process layout (with the key)."""
     url, _ = proc
-    for path, body, status, needle in BAD:
+    for path, body, status, needle, param, code in BAD:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         r = _post(url, data, path=path)
-        assert r.status_code == status and needle in r.json()["error"]["message"], (body, r.text)
+        err = r.json()["error"]
+        assert r.status_code == status and needle in err["message"], (body, r.text)
+        assert (err["param"], err["code"]) == (param, code), (body, r.text)
 
 
 # ---- shutdown and startup -----------------------------------------------------------------------------
@@ -355,6 +358,8 @@ def test_requests_cut_at_shutdown_get_a_json_503(tiny1_dir, tmp_path) -> None:
     proc, url, err = _start_cli(["--model_dir", str(tiny1_dir), "--max_seq_len", "4096", "--shutdown_timeout", "0.3",
                                  "--spec_decode_algo", "MTP", "--spec_decode_max_draft_len", "2"], tmp_path)
     engine_pid = _children(proc.pid)
+    # without --num_threads the engine leaves the API process a core (when the machine has few)
+    assert httpx.get(url + "/server_info", timeout=30).json()["world_info"]["num_threads"] == engine_threads()
     body = {"model": tiny1_dir.name, "prompt": "1 2 3", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
     async def plain(c: httpx.AsyncClient) -> httpx.Response:
@@ -387,6 +392,12 @@ def test_requests_cut_at_shutdown_get_a_json_503(tiny1_dir, tmp_path) -> None:
     log = err.read_text()
     assert "Traceback" not in log and "answered with 503" in log, log
     assert engine_pid and all(_gone(p) for p in engine_pid)
+
+
+@pytest.mark.parametrize("torch_default,usable,want", [(2, 2, 1), (1, 1, 1), (4, 4, 3), (4, 8, 4), (8, 16, 8),
+                                                        (16, 12, 11)])
+def test_engine_threads_leave_the_api_process_a_core(torch_default, usable, want) -> None:
+    assert engine_threads(torch_default, usable) == want
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -16,7 +16,7 @@ import pytest
 import tokenizers
 import torch
 
-from mtp_core.chat_format import CHAT_TEMPLATE, render_completion, render_prompt
+from mtp_core.chat_format import CHAT_TEMPLATE, TOOLS_INSTRUCTIONS, render_completion, render_prompt
 from mtp_core.tokenizer import Tokenizer
 from mtp_core.tokenizer_build import build_tiny_tokenizer, train_bpe_tokenizer
 
@@ -108,8 +108,38 @@ def test_chat_template_renders_exactly(tok):
     assert tok.apply_chat_template(messages[1:3], add_generation_prompt=False) == (
         "<｜begin▁of▁sentence｜><｜User｜>What is 2+2?<｜Assistant｜>4<｜end▁of▁sentence｜>")
     assert tok.apply_chat_template([{"role": "user", "content": "q"}]) == render_prompt("q")
-    with pytest.raises(ValueError, match="unsupported chat role tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="unsupported chat role critic; use system, user, assistant or tool"):
+        tok.apply_chat_template([{"role": "critic", "content": "x"}])
+
+
+def test_chat_template_renders_tools_in_deepseek_markup(tok):
+    """The tool list after the system text; an assistant's calls (arguments a JSON string, or an object as
+    transformers users pass them), newline-separated; a run of tool results; then the next turn as any other."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    calls = [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
+             {"id": "b", "type": "function", "function": {"name": "get_time", "arguments": {"zone": "CET"}}}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "a", "content": "rain"}, {"role": "tool", "content": "9:00"},
+                {"role": "assistant", "content": "Rain."}]
+    head = "<｜begin▁of▁sentence｜>Be brief.\n\n## Tools\n" + TOOLS_INSTRUCTIONS
+    assert tok.apply_chat_template(messages, tools=tools) == (
+        head + '\n{"name": "get_weather", "parameters": {"type": "object"}}\n{"name": "get_time"}'
+        "<｜User｜>Oslo?<｜Assistant｜><｜tool▁calls▁begin｜>"
+        '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Oslo"}\n```<｜tool▁call▁end｜>\n'
+        '<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{"zone": "CET"}\n```<｜tool▁call▁end｜>'
+        "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>"
+        "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>rain<｜tool▁output▁end｜>\n"
+        "<｜tool▁output▁begin｜>9:00<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+        "<｜Assistant｜>Rain.<｜end▁of▁sentence｜><｜Assistant｜><think>\n")
+    # tool results last: the outputs close, then the generation prompt; no system text: the list right after BOS
+    assert tok.apply_chat_template(messages[1:4], tools=tools[1:]).endswith(
+        "<｜tool▁output▁begin｜>rain<｜tool▁output▁end｜><｜tool▁outputs▁end｜><｜Assistant｜><think>\n")
+    assert tok.apply_chat_template(messages[1:2], tools=tools[1:]).startswith(
+        "<｜begin▁of▁sentence｜>## Tools\nYou can call")
+    # without tools (and with tools=[]) the conversation renders as it always did
+    assert tok.apply_chat_template(messages[:2], tools=[]) == tok.apply_chat_template(messages[:2])
 
 
 def test_chat_template_sources(tiny_dir, tmp_path):
@@ -137,6 +167,20 @@ def test_transformers_agrees(tok, tiny_dir):
         tok.apply_chat_template(messages)
     assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
         "<｜begin▁of▁sentence｜>S<｜User｜>Hi 42<｜Assistant｜><think>\n"
+    # tools, calls and results: transformers' own sandbox renders the same text
+    tools = [{"type": "function", "function": {"name": "f", "description": "d é", "parameters": {"type": "object"}}}]
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": "é"}}}]}
+    with_tools = messages + [call, {"role": "tool", "content": "r"}]
+    assert hf.apply_chat_template(with_tools, tools=tools, tokenize=False, add_generation_prompt=True) == \
+        tok.apply_chat_template(with_tools, tools=tools)
+
+
+def test_shipped_model_has_the_project_template():
+    from cli.common import DEFAULT_MODEL_DIR
+
+    cfg = json.loads((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text(encoding="utf-8"))
+    assert cfg["chat_template"] == CHAT_TEMPLATE
 
 
 @pytest.mark.parametrize("skip", [True, False])

@@ -2,14 +2,17 @@
 
 GET /v1/models, POST /v1/completions, POST /v1/chat/completions (with `stream: true`: server-sent events
 ending in `data: [DONE]`), GET /health, GET /metrics (Prometheus text), GET /server_info (what `mtp bench
---base_url` puts in its report). Every error is an OpenAI error object with a one-line message.
+--base_url` puts in its report), POST /tokenize, POST /detokenize, GET /tokenizer_info (tokenize.py, vLLM's).
+Every error is an OpenAI error object with a one-line message and a code, counted in /metrics.
 
 A request's way through the modules of this package:
 
     middleware.py   error guard, CORS, X-Request-Id, API key, body limit (413)
-    params.py       parse and check the body, tokenize (worker threads), SamplingParams: one Spec per choice
+    params.py       parse and check the body, tokenize (worker threads), SamplingParams: one Spec per choice;
+                    tools.py: what the chat template does with tools, and how a request's tools are rendered
     generate.py     register the choices with the output thread (outputs.py), send them to the engine; the one
                     producer of per-choice updates, streamed or not
+                    (tool calls in DeepSeek markup: tool_parser.py, as the text streams)
     render.py       the updates as SSE chunks, or folded into one JSON body (JSON parts: formats.py)
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from mtp_core.serve import render
+from mtp_core.serve import tokenize as tokenize_api
 from mtp_core.serve.engine_client import InProcessEngine
 from mtp_core.serve.generate import start
 from mtp_core.serve.metrics import render_metrics
@@ -72,20 +76,23 @@ def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = No
     app = FastAPI(title="mtp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.mtp = state
 
+    def answer(e: APIError) -> JSONResponse:
+        state.errors.add(e.status, e.code)
+        return JSONResponse(e.body(), status_code=e.status)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return answer(e)
 
     @app.exception_handler(404)
     async def _not_found(request: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(404, f"no route {request.method} {short_repr(request.url.path)}; see GET "
-                                          "/v1/models, POST /v1/completions, POST /v1/chat/completions").body(),
-                            status_code=404)
+        return answer(APIError(404, f"no route {request.method} {short_repr(request.url.path)}; see GET "
+                                    "/v1/models, POST /v1/completions, POST /v1/chat/completions, POST /tokenize",
+                               code="unknown_route"))
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, e: Exception) -> JSONResponse:
-        return JSONResponse(APIError(405, f"{request.method} is not allowed on {short_repr(request.url.path)}").body(),
-                            status_code=405)
+        return answer(APIError(405, f"{request.method} is not allowed on {short_repr(request.url.path)}"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -114,8 +121,20 @@ def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = No
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(state.outputs.metrics, state.outputs.engine_stats, state.model_name),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(render_metrics(state.outputs.metrics, state.outputs.engine_stats, state.model_name,
+                                                state.errors), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await tokenize_api.tokenize(state, await request.body()))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        return JSONResponse(await tokenize_api.detokenize(state, await request.body()))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenize_api.tokenizer_info(state))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -129,7 +148,7 @@ def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = No
         req = await parse(state, await request.body(), ChatCompletionRequest)
         return await _respond(state, request, req, await chat_specs(state, req), True, arrival)
 
-    add_middlewares(app, options)
+    add_middlewares(app, options, state.errors)
     return app
 
 

@@ -1,5 +1,5 @@
 """OpenAI's JSON for the parts of a choice, shared by the streamed and the non-streamed response: logprobs
-objects (chat, completions), forced tool calls, usage and the spec_decode_stats extension.
+objects (chat, completions), forced JSON tool calls, usage and the spec_decode_stats extension.
 
 A logprobs entry, as the output thread names it (outputs.py): (text, logprob, [(text, logprob, bytes)] top,
 id, bytes) per token; an echo's prompt entries start with None (the first prompt token has no logprob).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Optional
+from typing import Any, Optional
 
 from mtp_core.speculative.stats import SpecStats
 
@@ -60,17 +60,16 @@ def call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def tool_calls(tool: tuple[str, Optional[str]], content: str, named_id: str) -> Optional[list[dict]]:
-    """The tool_calls of a forced call's whole output (the grammar's JSON: a named call's arguments object, or
-    `required`'s list of {name, parameters}); None if it does not parse. A named call keeps `named_id`, the id
-    its streamed deltas carried."""
-    mode, name = tool
+def forced_calls(tool: Any, content: str, named_id: str) -> Optional[list[dict]]:
+    """The tool_calls of a forced call's whole output in the grammar's JSON (a named call's arguments object, or
+    `required`'s list of {name, parameters}); None if it does not parse. A named call keeps `named_id`, the id its
+    streamed deltas carried."""
     try:
         data = json.loads(content)
     except ValueError:
         return None
-    if mode == "named":
-        return [{"id": named_id, "type": "function", "function": {"name": name, "arguments": content}}]
+    if tool.choice == "named":
+        return [{"id": named_id, "type": "function", "function": {"name": tool.name, "arguments": content}}]
     return [{"id": call_id(), "type": "function",
              "function": {"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)}}
             for c in data]

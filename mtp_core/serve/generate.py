@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
+from mtp_core.chat_format import TOOL_MARKUP
 from mtp_core.serve.engine_core import SHUTDOWN_MESSAGE
-from mtp_core.serve.formats import call_id, spec_stats, sum_stats, tool_calls, usage
+from mtp_core.serve.formats import call_id, forced_calls, spec_stats, sum_stats, usage
 from mtp_core.serve.messages import Add
 from mtp_core.serve.outputs import RequestState, TextEvent
 from mtp_core.serve.params import Spec
 from mtp_core.serve.protocol import APIError
 from mtp_core.serve.state import ServerState
+from mtp_core.serve.tool_parser import ParseDelta, ToolCallParser
 from mtp_core.speculative.stats import SpecStats
 
 DISCONNECTED = "client disconnected"
@@ -40,11 +42,11 @@ class Update:
     logprobs: list                          # the entries of the tokens behind `text` (formats.py)
     prompt_logprobs: Optional[list] = None  # echo with logprobs: the prompt's entries (with the first tokens)
     echo: Optional[str] = None              # the choice's first update (echo): the prompt text, put before `text`
-    # a forced tool call, as OpenAI streams it: a named call's arguments piece by piece (the first delta with the
-    # id, type and name); `required` calls whole on the last update, or the text of a call cut short
-    tool_delta: Optional[dict] = None
+    # tool calls as OpenAI streams them: each call's first delta has its index, id, type and name, the next ones
+    # pieces of its arguments (a forced JSON-list call of `required`: every call whole, on the last update)
+    tool_calls_delta: Optional[list[dict]] = None
     finish_reason: Optional[str] = None     # the choice's last update: stop | length | tool_calls
-    tool_calls: Optional[list[dict]] = None  # the last update of a forced call: its calls (None: cut, or not JSON)
+    tool_calls: Optional[list[dict]] = None  # the last update: the calls made (None: none, or a forced call cut short)
 
 
 @dataclass
@@ -65,8 +67,9 @@ class _Choice:
     spec: Spec
     rs: RequestState
     started: bool = False                   # an update was produced
-    content: str = ""                       # a forced tool call: the output so far (the calls are parsed at its end)
-    call_id: str = ""                       # a named tool call: its id, from its first piece on
+    content: str = ""                       # a forced JSON call: the output so far (the calls are parsed at its end)
+    call_ids: list[str] = field(default_factory=list)   # the ids of the calls announced so far
+    parser: Optional[ToolCallParser] = None  # tools whose output is DeepSeek markup (tool_parser.py)
 
 
 def start(state: ServerState, req: Any, specs: list[Spec], chat: bool, request_id: str,
@@ -84,10 +87,13 @@ def start(state: ServerState, req: Any, specs: list[Spec], chat: bool, request_i
     queue: asyncio.Queue[TextEvent] = asyncio.Queue()
     choices: list[_Choice] = []
     for n, sp in enumerate(specs):
-        text = state.output_text(state.tokenizer, stops, think, starts_in, req.include_stop_str_in_output)
+        # the parser reads the markup: shown even where the vocabulary has its markers as special tokens
+        keep = state.tokenizer.special_ids(TOOL_MARKUP) if sp.tool and sp.tool.markup else []
+        text = state.output_text(state.tokenizer, stops, think, starts_in, req.include_stop_str_in_output,
+                                 **({"keep": keep} if keep else {}))
         # events name their choice by its position in specs (best_of candidates until the best are chosen)
         rs = state.outputs.register(text, len(sp.ids), request_id, arrival, n, queue, sp.discard)
-        choices.append(_Choice(sp, rs))
+        choices.append(_Choice(sp, rs, parser=ToolCallParser() if sp.tool and sp.tool.markup else None))
     firsts: dict[int, int] = {}              # prompt -> the rid of its first choice
     for c in choices:
         first = firsts.setdefault(c.spec.prompt_index, c.rs.rid)
@@ -114,7 +120,10 @@ class Generation:
         while left:
             ev = await self._queue.get()
             if ev.kind == "error":
-                raise APIError(ev.status, ev.message)
+                # a 400 from the engine is a grammar it cannot compile: name the field it came from
+                param = self._choices[ev.index].spec.guided_param if ev.status == 400 else None
+                raise APIError(ev.status, ev.message, param=param,
+                               code="invalid_grammar" if param else None)
             yield self._update(self._choices[ev.index], ev)
             if ev.kind == "done":
                 left -= 1
@@ -123,37 +132,70 @@ class Generation:
         yield Usage(self.prompt_tokens, completion_tokens, sum_stats(stats))
 
     def _update(self, c: _Choice, ev: TextEvent) -> Update:
-        u = Update(ev.index, ev.delta, ev.logprobs or [], ev.prompt_logprobs, None if c.started else c.spec.echo)
+        u = Update(ev.index, dict(ev.delta), ev.logprobs or [], ev.prompt_logprobs, None if c.started else c.spec.echo)
         c.started = True
-        if c.spec.tool:
-            self._tool(c, ev, u)
+        if c.parser is not None:
+            self._markup(c, ev, u)
+        elif c.spec.tool:
+            self._forced_json(c, ev, u)
         if ev.kind == "done":
             u.finish_reason = "length" if ev.finish_reason == "length" else "stop"
-            if c.spec.tool and c.spec.tool[0] == "required" and u.tool_calls is not None:
-                u.finish_reason = "tool_calls"                  # OpenAI's reasons
+            tool = c.spec.tool
+            if u.finish_reason == "stop" and u.tool_calls and tool and tool.choice != "named":
+                u.finish_reason = "tool_calls"                  # OpenAI's reasons (a named function's is stop)
         return u
 
-    def _tool(self, c: _Choice, ev: TextEvent, u: Update) -> None:
-        """A forced tool call's delta and, at its end, its calls (not when max_tokens cut it)."""
-        mode, name = c.spec.tool
-        piece = ev.delta.get("content", "")
-        c.content += piece
-        if mode == "named" and piece:
-            if not c.call_id:
-                c.call_id = call_id()
-                u.tool_delta = {"tool_calls": [{"index": 0, "id": c.call_id, "type": "function",
-                                                "function": {"name": name, "arguments": piece}}]}
+    def _markup(self, c: _Choice, ev: TextEvent, u: Update) -> None:
+        """Tool calls in DeepSeek markup: the content is what the parser leaves; calls stream as they are written."""
+        piece = u.text.pop("content", "")
+        d = c.parser.feed(piece) if piece else ParseDelta()
+        if ev.kind == "done":
+            end = c.parser.finish()
+            d.content += end.content
+            for cd in end.calls:
+                d.add_args(cd.index, cd.arguments) if cd.name is None else d.calls.append(cd)
+        if d.content:
+            u.text["content"] = d.content
+        entries: list[dict] = []
+        for cd in d.calls:
+            if cd.name is not None:
+                c.call_ids.append(call_id())
+                entries.append({"index": cd.index, "id": c.call_ids[cd.index], "type": "function",
+                                "function": {"name": cd.name, "arguments": cd.arguments}})
+            elif entries and entries[-1]["index"] == cd.index:
+                entries[-1]["function"]["arguments"] += cd.arguments
             else:
-                u.tool_delta = {"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+                entries.append({"index": cd.index, "function": {"arguments": cd.arguments}})
+        u.tool_calls_delta = entries or None
+        if ev.kind == "done" and c.parser.calls:
+            u.tool_calls = [{"id": c.call_ids[i], "type": "function",
+                             "function": {"name": call.name, "arguments": call.arguments}}
+                            for i, call in enumerate(c.parser.calls)]
+
+    def _forced_json(self, c: _Choice, ev: TextEvent, u: Update) -> None:
+        """A forced call on a template without DeepSeek markup: the output is the grammar's JSON (a named call's
+        arguments, streamed as they come; `required`'s list, whole at the end). Cut by max_tokens: the text."""
+        tool = c.spec.tool
+        piece = u.text.pop("content", "")
+        c.content += piece
+        if tool.choice == "named" and piece:
+            if not c.call_ids:
+                c.call_ids.append(call_id())
+                u.tool_calls_delta = [{"index": 0, "id": c.call_ids[0], "type": "function",
+                                       "function": {"name": tool.name, "arguments": piece}}]
+            else:
+                u.tool_calls_delta = [{"index": 0, "function": {"arguments": piece}}]
         if ev.kind != "done":
             return
         if ev.finish_reason != "length":
-            u.tool_calls = tool_calls(c.spec.tool, c.content, c.call_id)
-        if mode == "required":
+            u.tool_calls = forced_calls(tool, c.content, c.call_ids[0] if c.call_ids else call_id())
+        if tool.choice == "required":
             if u.tool_calls is not None:
-                u.tool_delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(u.tool_calls)]}
-            elif c.content:                    # cut short by max_tokens: the text as it is
-                u.tool_delta = {"content": c.content}
+                u.tool_calls_delta = [{"index": i, **call} for i, call in enumerate(u.tool_calls)]
+            elif c.content:
+                u.text["content"] = c.content      # cut short by max_tokens: the text as it is
+        elif u.tool_calls is None and c.content:
+            u.text["content"] = c.content
 
     async def watch(self, receive: Callable[[], Awaitable[dict]]) -> None:
         """Until the client leaves (an http.disconnect message), then every choice is aborted. The non-streamed

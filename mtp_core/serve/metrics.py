@@ -2,6 +2,7 @@
 
 Names follow vLLM's (`vllm:x` is `mtp_x` here) where vLLM has the metric. Two sources:
 - the API process (`RequestMetrics`, filled by the output thread): requests finished by reason, failed;
+  (`ErrorCounts`, filled where errors are answered): every error answer by status and reason;
   histograms of time to first token, inter-token latency (between two outputs of a request: one engine
   step, 1..K+1 tokens), end-to-end latency (both from the moment the HTTP request arrived, tokenization
   included) and queue time (arrival at the engine to its first scheduled step, measured by the engine);
@@ -15,7 +16,8 @@ iterations, never a torn value.
 from __future__ import annotations
 
 import bisect
-from typing import Any
+import threading
+from typing import Any, Optional
 
 from mtp_core.serve.engine_core import STEP_BUCKETS_S
 from mtp_core.serve.messages import PREFIX_FIELDS, EngineStats
@@ -56,11 +58,27 @@ class RequestMetrics:
         self.requests_by_reason[reason] = self.requests_by_reason.get(reason, 0) + 1
 
 
+class ErrorCounts:
+    """Error answers by HTTP status and reason (the error object's code), counted where they are sent: the route
+    handlers, the middlewares (401, 413, a bad X-Request-Id) and a stream's error event. Updated on the event loop
+    (and by any thread that answers a request: the lock keeps the sum)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[int, str], int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, status: int, reason: Optional[str]) -> None:
+        key = (status, reason or "none")
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+
 def _esc(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str) -> str:
+def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str,
+                   errors: Optional[ErrorCounts] = None) -> str:
     lbl = f'model_name="{_esc(model_name)}"'
     lines: list[str] = []
 
@@ -103,6 +121,10 @@ def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str) -> st
            [("", req.requests_failed)])
     metric("mtp_request_rejected_total", "counter", "Requests the engine refused at admission.",
            [("", eng.requests_rejected)])
+    if errors is not None:
+        metric("mtp_http_errors_total", "counter", "Error answers (HTTP 4xx and 5xx, a stream's error event included) "
+               "by status and reason (the error object's code).",
+               [(f',status="{st}",reason="{_esc(r)}"', n) for (st, r), n in sorted(dict(errors.counts).items())])
     metric("mtp_prompt_tokens_total", "counter", "Prompt tokens of admitted requests.", [("", eng.prompt_tokens)])
     metric("mtp_generation_tokens_total", "counter", "Generated tokens.", [("", eng.generation_tokens)])
     histogram("mtp_time_to_first_token_seconds", "Time from the HTTP request's arrival to its first token.",

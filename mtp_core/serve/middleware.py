@@ -16,19 +16,22 @@ from typing import Any, Optional, Sequence
 
 from fastapi import FastAPI
 
+from mtp_core.serve.metrics import ErrorCounts
 from mtp_core.serve.protocol import APIError
 from mtp_core.serve.state import ServeOptions
 
 log = logging.getLogger("mtp.serve")
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")
+KEYED_PATHS = ("/tokenize", "/detokenize", "/tokenizer_info")   # besides /v1/*: the API key guards them too
 
 
-def add_middlewares(app: FastAPI, options: ServeOptions) -> None:
+def add_middlewares(app: FastAPI, options: ServeOptions, errors: Optional[ErrorCounts] = None) -> None:
     # added innermost first: guard -> CORS -> request id -> API key -> body limit -> routes
-    app.add_middleware(BodyLimit, limit=options.max_request_bytes)
-    app.add_middleware(ApiKey, key=options.api_key)
-    app.add_middleware(RequestId)
+    errors = errors if errors is not None else ErrorCounts()
+    app.add_middleware(BodyLimit, limit=options.max_request_bytes, errors=errors)
+    app.add_middleware(ApiKey, key=options.api_key, errors=errors)
+    app.add_middleware(RequestId, errors=errors)
     if options.allowed_origins:
         from starlette.middleware.cors import CORSMiddleware
 
@@ -36,10 +39,11 @@ def add_middlewares(app: FastAPI, options: ServeOptions) -> None:
                            allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
                            expose_headers=["X-Request-Id"], max_age=600)
-    app.add_middleware(QuietCancel)
+    app.add_middleware(QuietCancel, errors=errors)
 
 
-async def _send_error(send: Any, e: APIError, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+async def _send_error(send: Any, e: APIError, errors: ErrorCounts, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    errors.add(e.status, e.code)
     body = json.dumps(e.body()).encode()
     await send({"type": "http.response.start", "status": e.status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -52,8 +56,8 @@ class QuietCancel:
     line; the traceback only at debug level). A request cancelled by the server's shutdown ends quietly: its
     handler's cleanup has aborted its engine request already."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, app: Any, errors: ErrorCounts) -> None:
+        self.app, self.errors = app, errors
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
@@ -76,14 +80,14 @@ class QuietCancel:
             log.debug("traceback", exc_info=True)
             if not started:
                 await _send_error(send, APIError(500, f"internal error: {type(e).__name__}: {first}".rstrip(": ")),
-                                  [(b"x-request-id", rid.encode())])
+                                  self.errors, [(b"x-request-id", rid.encode())])
 
 
 class RequestId:
     """X-Request-Id: the client's (1-256 visible ASCII characters) or a new one; echoed on every response."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, app: Any, errors: ErrorCounts) -> None:
+        self.app, self.errors = app, errors
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope.get("type") != "http":
@@ -93,7 +97,8 @@ class RequestId:
         if given is not None and not _REQUEST_ID.fullmatch(rid):
             new = uuid.uuid4().hex
             return await _send_error(send, APIError(400, "X-Request-Id must be 1-256 visible ASCII characters; send "
-                                                         "another or leave it out"), [(b"x-request-id", new.encode())])
+                                                         "another or leave it out", code="invalid_request_id"),
+                                     self.errors, [(b"x-request-id", new.encode())])
         scope.setdefault("state", {})["request_id"] = rid
         raw = rid.encode("latin-1")
 
@@ -106,14 +111,16 @@ class RequestId:
 
 
 class ApiKey:
-    """With a key set: /v1/* needs `Authorization: Bearer <key>` (401 otherwise); the rest stays open."""
+    """With a key set: /v1/* and the tokenizer's routes need `Authorization: Bearer <key>` (401 otherwise); /health,
+    /metrics and /server_info stay open."""
 
-    def __init__(self, app: Any, key: Optional[str]) -> None:
-        self.app = app
+    def __init__(self, app: Any, key: Optional[str], errors: ErrorCounts) -> None:
+        self.app, self.errors = app, errors
         self.key = key.encode() if key else None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if self.key is None or scope.get("type") != "http" or not scope.get("path", "").startswith("/v1/"):
+        path = scope.get("path", "")
+        if self.key is None or scope.get("type") != "http" or not (path.startswith("/v1/") or path in KEYED_PATHS):
             return await self.app(scope, receive, send)
         auth = next((v for k, v in scope.get("headers", ()) if k == b"authorization"), b"")
         scheme, _, token = auth.partition(b" ")
@@ -123,7 +130,7 @@ class ApiKey:
                         "wrong" if auth else "no")
             return await _send_error(send, APIError(401, "invalid or missing API key; send the header "
                                                          "'Authorization: Bearer <key>'", code="invalid_api_key"),
-                                     [(b"www-authenticate", b"Bearer")])
+                                     self.errors, [(b"www-authenticate", b"Bearer")])
         await self.app(scope, receive, send)
 
 
@@ -138,8 +145,8 @@ class BodyLimit:
 
     DRAIN_FACTOR = 8
 
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: Any, limit: int, errors: ErrorCounts) -> None:
+        self.app, self.limit, self.errors = app, limit, errors
 
     def _error(self, size: Optional[int]) -> APIError:
         what = f"is {size} bytes" if size is not None else "is longer than that"
@@ -163,7 +170,7 @@ class BodyLimit:
         size = int(declared) if declared is not None and declared.isdigit() else None
         if size is not None and size > self.limit:
             await self._drain(receive)
-            return await _send_error(send, self._error(size))
+            return await _send_error(send, self._error(size), self.errors)
         seen = 0
         started = False
 
@@ -186,4 +193,4 @@ class BodyLimit:
         except _TooLarge:
             if not started:
                 await self._drain(receive)
-                await _send_error(send, self._error(None))
+                await _send_error(send, self._error(None), self.errors)

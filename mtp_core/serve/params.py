@@ -6,7 +6,6 @@ APIError. Tokenizing runs in worker threads (prompts.py).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -14,9 +13,10 @@ from mtp_core.sampling import SamplingParams
 from mtp_core.serve.engine_core import SHUTDOWN_MESSAGE
 from mtp_core.serve.parse import parse_body
 from mtp_core.serve.prompts import LARGE_TEXT
-from mtp_core.serve.protocol import (MAX_CHOICES, SEED_MAX, APIError, ChatCompletionRequest, CompletionRequest,
-                                     short_repr, structured)
+from mtp_core.serve.protocol import (MAX_CHOICES, NOT_IMPLEMENTED, SEED_MAX, APIError, ChatCompletionRequest,
+                                     CompletionRequest, short_repr, structured)
 from mtp_core.serve.state import ServerState
+from mtp_core.serve.tools import ToolMode, plan_tools
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16          # OpenAI's default for /v1/completions
 
@@ -30,7 +30,8 @@ class Spec:
     params: SamplingParams
     echo: Optional[str]             # completions with echo: the prompt's text, put before the choice's text
     discard: bool                   # max_tokens 0 (echo): no completion tokens
-    tool: Optional[tuple[str, Optional[str]]] = None   # a forced tool call: ("named", name) | ("required", None)
+    tool: Optional[ToolMode] = None  # tools in play: how the output is read (tools.py)
+    guided_param: Optional[str] = None  # the field a grammar came from (a grammar that cannot be compiled: its 400)
 
 
 async def parse(state: ServerState, raw: bytes, model: type) -> Any:
@@ -61,38 +62,37 @@ async def completion_specs(state: ServerState, req: CompletionRequest) -> list[S
             params.logprobs = 0                   # best_of ranks the candidates by their cumulative logprob
         echo = (p if isinstance(p, str) else state.tokenizer.decode(ids)) if req.echo else None
         for j in range(per_prompt):
-            specs.append(Spec(k * req.n + j, k, ids, _child(params, j), echo, discard))
+            specs.append(Spec(k * req.n + j, k, ids, _child(params, j), echo, discard,
+                              guided_param="structured_outputs" if params.guided else None))
     return specs
 
 
 async def chat_specs(state: ServerState, req: ChatCompletionRequest) -> list[Spec]:
-    """The messages through the chat template; a forced tool call becomes the grammar of its JSON."""
+    """The messages through the chat template, with the tools as tools.py plans them (a forced call: a grammar)."""
     _check_common(state, req)
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise APIError(400, "max_tokens and max_completion_tokens differ; send one of them", param="max_tokens")
-    # developer messages are OpenAI's new name for system messages
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages]
-    size = sum(len(m["content"]) for m in messages)
+    plan = plan_tools(req, state.prompts.template_tools, f"the chat template of {state.model_name}")
+    size = sum(len(m["content"] or "") for m in plan.messages)
     _check_min_tokens(state, size, "messages")
     try:
-        ids = await state.prompts.encode_chat(messages, size)
-    except ValueError as e:
+        ids = await state.prompts.encode_chat(plan.messages, size, tools=plan.tools)
+    except ValueError as e:             # the template refused the conversation (raise_exception)
         raise APIError(400, str(e).splitlines()[0], param="messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _sampling(state, req, max_tokens, len(ids), None,
                        logprobs=(req.top_logprobs or 0) if req.logprobs else None)
-    mode, schema = req.tool_mode(f"the chat template of {state.model_name}")
-    if mode is not None:               # a forced tool call: the grammar makes the output the call's JSON
-        params.guided = ("json_schema", json.dumps(schema))
+    guided_param = "response_format" if req.response_format is not None else "structured_outputs"
+    if plan.guided is not None:        # a forced tool call: the grammar makes the output the call
+        params.guided, guided_param = plan.guided, "tools"
         try:
             params.validate()
         except ValueError as e:
             raise APIError(400, str(e), param="tool_choice") from None
     params.guided_after_think = params.guided is not None and state.reasoning_parser is not None
-    tool = (mode, req.tool_choice["function"]["name"] if mode == "named" else None) if mode else None
-    return [Spec(j, 0, ids, _child(params, j), None, False, tool) for j in range(req.n)]
+    return [Spec(j, 0, ids, _child(params, j), None, False, plan.mode, guided_param if params.guided else None)
+            for j in range(req.n)]
 
 
 def _check_common(state: ServerState, req: Any) -> None:
@@ -103,7 +103,8 @@ def _check_common(state: ServerState, req: Any) -> None:
                             f"{state.model_name!r} (see GET /v1/models)", param="model", code="model_not_found")
     bad = req.unsupported()
     if bad:
-        raise APIError(400, bad[1], param=bad[0])
+        raise APIError(400, bad[1], param=bad[0],
+                       code="unsupported_value" if bad[0] in NOT_IMPLEMENTED else "invalid_value")
 
 
 def _check_min_tokens(state: ServerState, num_chars: int, param: str) -> None:

@@ -40,24 +40,43 @@ def _not_json(name: str) -> Any:
 
 def parse_body(raw: bytes, model: type[BaseModel]) -> Any:
     """Raw JSON bytes -> the request model; every problem is one APIError(400) naming the field."""
+    return validate_body(parse_json(raw), model)
+
+
+def parse_json(raw: bytes) -> dict:
+    """Raw bytes -> a JSON object; APIError(400) if they are not one."""
     if not raw.strip():
-        raise APIError(400, "the request body is empty; send a JSON object")
+        raise APIError(400, "the request body is empty; send a JSON object", code="invalid_json")
     try:
         data = json.loads(raw, parse_constant=_not_json)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({getattr(e, 'msg', e)} at position "
-                            f"{getattr(e, 'pos', '?')}); send a JSON object") from None
+                            f"{getattr(e, 'pos', '?')}); send a JSON object", code="invalid_json") from None
     except RecursionError:
-        raise APIError(400, "the request body is nested too deeply; send a flat JSON object") from None
+        raise APIError(400, "the request body is nested too deeply; send a flat JSON object",
+                       code="invalid_json") from None
     except ValueError as e:             # NaN / Infinity, an integer of more than 4300 digits
         raise APIError(400, f"the request body is not valid JSON ({str(e).splitlines()[0][:120]}); send a JSON "
-                            "object") from None
+                            "object", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise APIError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}")
+        raise APIError(400, f"the request body must be a JSON object, got a JSON {type(data).__name__}",
+                       code="invalid_json")
+    return data
+
+
+def validate_body(data: dict, model: type[BaseModel]) -> Any:
+    """A JSON object -> the request model; APIError(400) naming the first field that is wrong."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        raise APIError(400, _first_error(e), param=_where(e.errors()[0]["loc"]) or None) from None
+        first = e.errors()[0]
+        raise APIError(400, _first_error(e), param=_where(first["loc"]) or None,
+                       code=_CODES.get(first["type"])) from None
+
+
+_CODES = {"extra_forbidden": "unknown_parameter", "missing": "missing_required_parameter", **{
+    k: "invalid_type" for k in ("int_type", "float_type", "bool_type", "string_type", "list_type", "dict_type",
+                                "model_type", "int_from_float", "union_tag_invalid")}}
 
 
 def _first_error(e: ValidationError) -> str:

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
+from mtp_core.serve.tools import TemplateTools
+
 log = logging.getLogger("mtp.serve")
 
 LARGE_TEXT = 64 * 1024                  # characters: larger texts are tokenized on the large-text pool
@@ -60,6 +62,7 @@ class PromptEncoder:
         self.tok = tokenizer
         self.max_seq_len = max_seq_len
         self.max_token_bytes = max_token_bytes(Path(model_dir) / "tokenizer.json") if model_dir else None
+        self.template_tools = TemplateTools.probe(tokenizer)     # what the chat template does with tools
         self._small = ThreadPoolExecutor(2, thread_name_prefix="mtp-tokenize")
         self._large = ThreadPoolExecutor(1, thread_name_prefix="mtp-tokenize-large")
 
@@ -77,11 +80,26 @@ class PromptEncoder:
         return await self.run(lambda: self.tok.encode_released(text, add_special_tokens=add_special_tokens),
                               len(text))
 
-    async def encode_chat(self, messages: list[dict], size: int) -> list[int]:
+    async def encode_chat(self, messages: list[dict], size: int, tools: Optional[list[dict]] = None,
+                          add_generation_prompt: bool = True, continue_final: bool = False) -> list[int]:
         def work() -> list[int]:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tok.encode_released(text, add_special_tokens=False)     # the template has the BOS
+            return self.tok.encode_released(self.render_chat(messages, tools, add_generation_prompt, continue_final),
+                                            add_special_tokens=False)     # the template has the BOS
         return await self.run(work, size)
+
+    def render_chat(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True,
+                    continue_final: bool = False) -> str:
+        """The chat template's text. continue_final: the text ends with the last message's content, left open for
+        the model to continue (what it renders after that content, an end of turn, is cut)."""
+        kw = {"tools": tools} if tools else {}
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
+        if continue_final:
+            last = messages[-1].get("content") or ""
+            at = text.rfind(last) if last else -1
+            if at < 0:
+                raise ValueError("continue_final_message needs a last message with content the chat template renders")
+            text = text[:at + len(last)]
+        return text
 
     def close(self) -> None:
         self._small.shutdown(wait=False, cancel_futures=True)

@@ -2,20 +2,27 @@
 
 Bodies are parsed (parse.py) with pydantic in strict mode (`"5"` is not an integer, `5.0` is not an integer;
 an integer is a valid float). Every field of OpenAI's API reference for the two endpoints is accepted; a field no API
-defines is a 400 that names it. Fields that ask for something this server cannot do (audio, `suffix`,
-`tool_choice: auto`, ...) are accepted at their neutral value only; any other value is a 400 that
-says what to send instead. Fields with no meaning here (`user`, `store`, `metadata`, `service_tier`,
-`reasoning_effort`, ...) are accepted and ignored (docs/serving.md lists them). Extensions (vLLM's names):
-`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`,
-`ignore_eos`.
+defines is a 400 that names it. Fields that ask for something this server cannot do (audio, `suffix`, ...) are
+accepted at their neutral value only; any other value is a 400 that says what to send instead (code
+unsupported_value). Tools and tool_choice are checked in tools.py, which knows the chat template. Fields with no
+meaning here (`user`, `store`, `metadata`, `service_tier`, `reasoning_effort`, ...) are accepted and ignored
+(docs/serving.md lists them). Extensions (vLLM's names): `top_k`, `min_p`, `repetition_penalty`, `min_tokens`,
+`stop_token_ids`, `include_stop_str_in_output`, `ignore_eos`.
 """
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+# the code of a 4xx raised without one
+DEFAULT_CODES = {400: "invalid_value", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
+                 413: "request_too_large"}
+# fields whose other values ask for what this server does not do: their 400s have the code unsupported_value
+NOT_IMPLEMENTED = frozenset({"suffix", "functions", "function_call", "audio", "modalities", "prediction",
+                             "web_search_options"})
 
 
 class APIError(Exception):
@@ -23,7 +30,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param = status, message, param
+        self.code = code or DEFAULT_CODES.get(status)     # every 4xx has a code (the reason /metrics counts it by)
 
     def body(self) -> dict:
         kind = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
@@ -142,11 +150,30 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str                                # a JSON string, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def plain(self) -> dict:
+        return {"id": self.id, "type": self.type,
+                "function": {"name": self.function.name, "arguments": self.function.arguments}}
+
+
 class Message(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")   # e.g. tool_calls: null from some clients
+    model_config = ConfigDict(strict=True, extra="ignore")   # e.g. refusal, audio: null from some clients
     role: str
     content: Optional[Union[str, list[TextPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None   # an assistant's calls (rendered by the chat template)
+    tool_call_id: Optional[str] = None            # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -209,52 +236,6 @@ class ChatCompletionRequest(_Common):
                 return name, f"{name} must be one of {', '.join(allowed)}, got {short_repr(v)}"
         return None
 
-    def tool_mode(self, template: str) -> tuple[Optional[str], Optional[dict]]:
-        """(None | "named" | "required", the JSON schema the output must follow) for tools + tool_choice.
-
-        A named function and `required` work with any chat template: the grammar forces a call (named: its
-        arguments object; required: a list of {"name", "parameters"} calls). `auto` needs a template that renders
-        tools and a parser for its format: a 400 naming the template here. `none` (or no tools): plain text."""
-        tools = self.tools or []
-        choice = self.tool_choice if self.tool_choice is not None else ("auto" if tools else "none")
-        if choice == "none":
-            return None, None
-        if not tools:
-            raise APIError(400, "tool_choice needs tools; send tools or omit tool_choice", param="tool_choice")
-        fns: dict[str, dict] = {}
-        for i, t in enumerate(tools):
-            fn = t.get("function") if isinstance(t, dict) else None
-            name = fn.get("name") if isinstance(fn, dict) else None
-            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(name, str) \
-                    or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-                raise APIError(400, f"tools[{i}] must be {{type: function, function: {{name, parameters}}}} with a name "
-                                    "of 1-64 letters, digits, _ . -", param=f"tools[{i}]")
-            params = fn.get("parameters", {"type": "object", "properties": {}})
-            if not isinstance(params, dict):
-                raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema object",
-                               param=f"tools[{i}].function.parameters")
-            fns[name] = params
-        if self.response_format is not None and self.response_format.get("type") not in (None, "text"):
-            raise APIError(400, "send response_format or a forced tool_choice, not both", param="response_format")
-        if choice == "auto":
-            raise APIError(400, f"tool_choice auto needs a chat template that renders tools and a tool-call parser; "
-                                f"{short_repr(template)} has neither; send tool_choice required or a named function",
-                           param="tool_choice")
-        if choice == "required":
-            calls = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "parameters": p},
-                                "required": ["name", "parameters"], "additionalProperties": False}
-                               for n, p in fns.items()]}
-            schema = {"type": "array", "items": calls, "minItems": 1}
-            if self.parallel_tool_calls is False:
-                schema["maxItems"] = 1
-            return "required", schema
-        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-        if not isinstance(choice, dict) or choice.get("type") != "function" or name not in fns:
-            raise APIError(400, f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}} "
-                                f"naming one of the tools ({', '.join(fns)}), got {short_repr(choice)}",
-                           param="tool_choice")
-        return "named", fns[name]
-
     def guided(self) -> Optional[tuple[str, str]]:
         """response_format (OpenAI's) or structured_outputs (the extension) as SamplingParams.guided;
         APIError(400) for a malformed one."""
@@ -273,7 +254,7 @@ class ChatCompletionRequest(_Common):
                                    param="response_format.json_schema")
                 return "json_schema", json.dumps(schema)
             raise APIError(400, f"response_format type {short_repr(kind)} is not supported; use text, json_object or "
-                                "json_schema", param="response_format.type")
+                                "json_schema", param="response_format.type", code="unsupported_value")
         return structured(self.structured_outputs)
 
 
@@ -286,7 +267,7 @@ def structured(so: Optional[dict[str, Any]]) -> Optional[tuple[str, str]]:
     extra = [k for k in so if k not in ("json", "regex", "choice")]
     if extra:
         raise APIError(400, f"structured_outputs.{extra[0]} is not supported; use json, regex or choice",
-                       param="structured_outputs")
+                       param=f"structured_outputs.{extra[0]}", code="unsupported_value")
     if len(keys) != 1:
         raise APIError(400, "structured_outputs needs exactly one of json, regex, choice", param="structured_outputs")
     k, v = keys[0], so[keys[0]]

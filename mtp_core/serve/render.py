@@ -4,10 +4,11 @@ the updates alone, and their JSON parts from formats.py.
 
 What only one of them does, and why:
 - stream: a chat stream opens with one role chunk per choice; a choice's last update is followed by its own
-  chunk with the finish reason; a forced tool call streams its tool_calls deltas in place of its text; the
-  usage chunk only with stream_options.include_usage; an error becomes an `error` event, then [DONE].
-- fold: best_of keeps each prompt's n likeliest candidates (best_of > 1 is never streamed); a forced call
-  that parsed replaces the message's content; a client gone before the end gets a bare 499.
+  chunk with the finish reason; tool calls go in `tool_calls` deltas beside the text; the usage chunk only with
+  stream_options.include_usage; an error becomes an `error` event, then [DONE].
+- fold: best_of keeps each prompt's n likeliest candidates (best_of > 1 is never streamed); a message with tool
+  calls has them in `tool_calls` and null content unless the model wrote text besides them; a client gone
+  before the end gets a bare 499.
 """
 from __future__ import annotations
 
@@ -54,11 +55,8 @@ def stream(state: ServerState, gen: Generation, req: Any, chat: bool, include_us
 
     def chunks(u: Update) -> list[str]:
         out = []
-        if gen.specs[u.choice].tool:
-            if u.tool_delta is not None:
-                out.append(chunk(u.choice, u.tool_delta, u.logprobs))
-            elif u.logprobs:
-                out.append(chunk(u.choice, {}, u.logprobs))
+        if u.tool_calls_delta:
+            out.append(chunk(u.choice, {**u.text, "tool_calls": u.tool_calls_delta}, u.logprobs))
         elif u.text or u.logprobs or u.echo is not None:
             # an echo's prompt logprobs go with its first chunk, the prompt's text
             prompt = u.prompt_logprobs if u.echo is not None else None
@@ -81,6 +79,7 @@ def stream(state: ServerState, gen: Generation, req: Any, chat: bool, include_us
                 for c in chunks(u):
                     yield c
         except APIError as e:
+            state.errors.add(e.status, e.code)
             yield _data(e.body())
         yield "data: [DONE]\n\n"
 
@@ -131,8 +130,8 @@ async def fold(state: ServerState, gen: Generation, req: Any, chat: bool,
             if state.reasoning_parser:
                 msg["reasoning_content"] = f.text.get("reasoning_content") or None
                 msg["content"] = content or (None if msg["reasoning_content"] else "")
-            if f.tool_calls is not None:
-                msg["content"], msg["tool_calls"] = None, f.tool_calls
+            if f.tool_calls:
+                msg["content"], msg["tool_calls"] = msg["content"] or None, f.tool_calls
             out.append({"index": index, "message": msg, "logprobs": chat_logprobs(f.logprobs) if req.logprobs else None,
                         "finish_reason": f.finish_reason})
         else:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from mtp_core.serve.engine_core import SHUTDOWN_MESSAGE
+from mtp_core.serve.metrics import ErrorCounts
 from mtp_core.serve.outputs import OutputProcessor
 from mtp_core.serve.prompts import PromptEncoder
 from mtp_core.serve.text import OutputText
@@ -49,6 +50,7 @@ class ServerState:
     info: dict = field(default_factory=dict)
     accepting: bool = True
     output_text: Callable[..., OutputText] = OutputText     # tests may wrap it to inject a per-request fault
+    errors: ErrorCounts = field(default_factory=ErrorCounts)  # error answers by status and reason (/metrics)
 
     @property
     def max_seq_len(self) -> int:

@@ -14,7 +14,7 @@ two that start there, the shorter). The streamed pieces always concatenate to ex
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 
 class _StopBuffer:
@@ -46,12 +46,13 @@ class _StopBuffer:
 
 class OutputText:
     def __init__(self, tokenizer: Any, stops: list[str], think_ids: Optional[tuple[int, int]] = None,
-                 starts_in_reasoning: bool = False, include_stop: bool = False) -> None:
+                 starts_in_reasoning: bool = False, include_stop: bool = False, keep: Sequence[int] = ()) -> None:
         self.tok = tokenizer
         self.think_ids = think_ids                        # set only with a reasoning parser
         self.in_reasoning = bool(think_ids) and starts_in_reasoning
         self.saw_think_start = False
-        self.decoders = {"content": tokenizer.stream_decoder()}
+        # keep: special tokens the content shows (tool-call markup, where a vocabulary has it as special tokens)
+        self.decoders = {"content": tokenizer.stream_decoder(keep=keep) if keep else tokenizer.stream_decoder()}
         self.stops = {"content": _StopBuffer(stops, include_stop)}
         if think_ids:
             self.decoders["reasoning_content"] = tokenizer.stream_decoder()
