@@ -94,9 +94,11 @@ def command_reference() -> str:
 
 
 def compat_table() -> str:
+    from mtp_core.config import LLMConfig
     from mtp_core.config.compat import markdown
+    from mtp_core.config.schema import entries
 
-    return markdown().rstrip("\n") + "\n"
+    return markdown({e.name for e in entries(LLMConfig) if e.spec.yaml}).rstrip("\n") + "\n"
 
 
 GENERATED = [(TABLE, "flags", flag_table), (COMMANDS, "commands", command_reference), (COMPAT, "compat", compat_table)]

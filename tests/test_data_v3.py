@@ -236,12 +236,13 @@ def test_compare_v5_compares_beside_the_numbers_and_names_both() -> None:
 
 
 def test_spell_drill_spells_each_made_up_word_and_cuts_it_from_training_words_only() -> None:
-    from mtp_factory.data.words import _drill_pieces, render_spell_drill
+    from mtp_factory.data.tasks import drill_pieces
+    from mtp_factory.data.words import render_spell_drill
     held_out = [w for w in WORDS if split_of("reverse", (w,)) == "eval"]
-    assert held_out and not set(held_out) & set(_drill_pieces())
+    assert held_out and not set(held_out) & set(drill_pieces())
     rng = random.Random(18)
     for _ in range(100):
-        block = render_spell_drill(rng)
+        block = render_spell_drill(rng, drill_pieces())
         assert block.endswith("\n\n") and "The answer is" not in block
         for line in block.strip().splitlines()[1:]:
             word, spelled_out = re.fullmatch(r'"([a-z]+)": (.*)\.', line).groups()

@@ -83,12 +83,9 @@ def warning_text(row: Compat, **facts: Any) -> str:
     return row.warning.format(maps_to=row.maps_to, why=row.why, **facts)
 
 
-def markdown() -> str:
-    """The table for the docs (an old key is accepted at the top level too where that is not a current key)."""
-    from .engine import LLMConfig
-    from .schema import entries
-
-    current = {e.name for e in entries(LLMConfig) if e.spec.yaml}
+def markdown(current: set[str]) -> str:
+    """The table for the docs (an old key is accepted at the top level too where that is not a current key:
+    `current`, the schema's YAML keys, which the caller reads from LLMConfig; this table sits below it)."""
     out = ["| Setting | Stands for | Why it is kept | Logged when used |", "|---|---|---|---|"]
     for c in COMPAT:
         names = [f"`{name}`" for name in c.name.split(" / ")]

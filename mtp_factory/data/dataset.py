@@ -14,7 +14,7 @@ from mtp_core.chat_format import render_completion, render_prompt
 from mtp_factory.data import general_text
 from mtp_factory.data.arithmetic import render_fact_drill
 from mtp_factory.data.phrasing import Trace, maybe, ngram_predictability, spelled
-from mtp_factory.data.tasks import FAMILY_SPECS, check_family, generate, render
+from mtp_factory.data.tasks import FAMILY_SPECS, check_family, drill_pieces, generate, render
 from mtp_factory.data.words import render_spell_drill
 
 FAMILIES: list[str] = list(FAMILY_SPECS)
@@ -90,7 +90,7 @@ def training_texts(seed: int, num_examples: int, general_fraction: float = 0.15,
         if drill_fraction and drill_rng.random() < drill_fraction:
             text = render_fact_drill(drill_rng)
         elif spell_drill_fraction and spell_rng.random() < spell_drill_fraction:
-            text = render_spell_drill(spell_rng)
+            text = render_spell_drill(spell_rng, drill_pieces())
         else:
             example = sample_example(rng.choices(FAMILIES, weights)[0], rng, style=style)
             text = example.prompt + example.completion

@@ -8,6 +8,7 @@ to sort), so even a reordered eval question is never trained on.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import random
 from dataclasses import dataclass, field
@@ -68,6 +69,13 @@ def split_of(family: str, ops: tuple) -> str:
     spec = check_family(family)
     digest = hashlib.sha256(f"{family}:{spec.canonical(ops)!r}".encode()).digest()
     return "eval" if int.from_bytes(digest[:8], "big") % 100 < spec.eval_percent else "train"
+
+
+@functools.lru_cache(maxsize=1)
+def drill_pieces() -> tuple[str, ...]:
+    """Words whose reversal is a training question: the spelling drill's made-up words (words.render_spell_drill)
+    are cut from these only, so no piece of a held-out reverse word is drilled that no training word also has."""
+    return tuple(w for w in words.WORDS if split_of("reverse", (w,)) == "train")
 
 
 def sample_operands(family: str, rng: random.Random, split: str = "train") -> tuple:

@@ -1,7 +1,6 @@
 """Counting a letter in a word and reversing a word: samplers and trace renderers."""
 from __future__ import annotations
 
-import functools
 import random
 import string
 
@@ -112,19 +111,11 @@ def render_reverse(ops: tuple[str], rng: random.Random, spell_joined: bool = Fal
 
 # ------------------------------------------------------------------ spelling drill (training only)
 
-@functools.lru_cache(maxsize=1)
-def _drill_pieces() -> tuple[str, ...]:
-    """Words whose reversal is a training question: the drill's made-up words are cut from these only, so no
-    piece of a held-out reverse word is drilled that no training word also has."""
-    from mtp_factory.data.tasks import split_of
-    return tuple(w for w in WORDS if split_of("reverse", (w,)) == "train")
-
-
-def render_spell_drill(rng: random.Random, num_words: int = 6) -> str:
-    """A plain-text block of made-up words (two or three 2-4 letter pieces of real words), each spelled in a
-    form the count and reverse traces use. Not a chat example: it drills how the tokenizer's pieces are
-    spelled, the first step of every count and reverse trace and the step reverse fails at most."""
-    sources = _drill_pieces()
+def render_spell_drill(rng: random.Random, sources: tuple[str, ...], num_words: int = 6) -> str:
+    """A plain-text block of made-up words (two or three 2-4 letter pieces of `sources`, real words:
+    tasks.drill_pieces()), each spelled in a form the count and reverse traces use. Not a chat example: it
+    drills how the tokenizer's pieces are spelled, the first step of every count and reverse trace and the step
+    reverse fails at most."""
     lines = [pick(rng, ("Spelling practice:", "Spell each one:", "Letters of some made-up words:"))]
     for _ in range(num_words):
         parts = []
