@@ -389,3 +389,66 @@ def test_native_is_bitwise_batch_and_thread_invariant(quant) -> None:
     finally:
         torch.set_num_threads(old)
     assert torch.equal(two, whole)
+
+
+# ---- quantized twins, the checkpoint writers ------------------------------------------------------------
+
+@NATIVE
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_quantized_twins_keep_the_indexer_as_deepseek_does_and_stay_lossless(v32_dirs, tmp_path, fmt) -> None:
+    """`mtp quantize`: FP8 writes the indexer's wq_b / wk as e4m3 blocks with weight_scale_inv and keeps
+    weights_proj in high precision (DeepSeek's V3.2 FP8 release); NVFP4 keeps the whole indexer (attention).
+    The loader reads them packed, and greedy MTP == plain greedy on them (native, 2 threads)."""
+    from safetensors import safe_open
+    from mtp_core.quantize import quantize_checkpoint
+    out = tmp_path / fmt
+    quantize_checkpoint(v32_dirs["tiny1"], out, fmt)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for layer in (0, 2):                     # a main layer and the MTP module's
+            p = f"model.layers.{layer}.self_attn.indexer."
+            packed = f.get_tensor(p + "wq_b.weight").dtype
+            if fmt == "fp8":
+                assert packed == torch.float8_e4m3fn and f.get_tensor(p + "wk.weight").dtype == torch.float8_e4m3fn
+                assert {p + "wq_b.weight_scale_inv", p + "wk.weight_scale_inv"} <= names
+            else:
+                assert packed == torch.float32 and p + "wq_b.weight_scale" not in names
+            assert f.get_tensor(p + "weights_proj.weight").dtype == torch.float32
+            assert not any(n.startswith(p + "weights_proj.weight_") for n in names)
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = load_model(out, "auto")[0]
+        base = make_engine(model, max_batch_size=4)
+        assert model.native is not None and fmt in model.native.weights.formats()
+        idx = model.model.layers[0].self_attn.indexer
+        assert idx.weights_proj.weight.dtype == torch.float32 and (type(idx.wq_b).__name__ != "Linear") == (fmt == "fp8")
+        want = [s.output_ids for s in run_to_end(base, PROMPTS, greedy(24))]
+        eng = make_engine(model, nextn=3, mode="eagle", max_batch_size=4)
+        assert [s.output_ids for s in run_to_end(eng, PROMPTS, greedy(24))] == want
+        assert eng.stats.num_draft_accepted > 0
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_make_tiny_and_make_scale_write_v32(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+    from cli.app import app
+    from mtp_core.scale_model import scale_config_dict
+    r = CliRunner().invoke(app, ["make-tiny", str(tmp_path / "t"), "--arch", "v32", "--index_topk", "6"])
+    assert r.exit_code == 0, r.output
+    conf = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert conf["model_type"] == "deepseek_v32" and conf["index_topk"] == 6
+    assert "model.layers.2.self_attn.indexer.wq_b.weight" in load_file(str(tmp_path / "t" / "model.safetensors"))
+    full = scale_config_dict("deepseek-v3", num_layers=61, arch="v32")
+    assert (full["index_n_heads"], full["index_head_dim"], full["index_topk"]) == (64, 128, 2048)
+    assert full["hidden_size"] == 7168 and full["max_position_embeddings"] == 163840
+    r = CliRunner().invoke(app, ["make-scale", str(tmp_path / "s"), "--arch", "v32", "--num_layers", "2",
+                                 "--width_divisor", "16", "--vocab_size", "512", "--n_routed_experts", "16"])
+    assert r.exit_code == 0, r.output
+    model = load_model(tmp_path / "s", "float32")[0]
+    assert model.config.is_dsa and model.config.n_routed_experts == 16 and model.num_mtp_modules == 1
+    r = CliRunner().invoke(app, ["make-scale", str(tmp_path / "m"), "--arch", "v32", "--shape", "moonlight"])
+    assert r.exit_code == 2 and "use --shape deepseek-v3" in r.output
+    r = CliRunner().invoke(app, ["make-tiny", str(tmp_path / "q"), "--arch", "v32", "--q_lora_rank", "0"])
+    assert r.exit_code == 2 and "needs q_lora_rank" in r.output
