@@ -159,6 +159,7 @@ struct Work {
   Buf<float> logits, wts;               // router
   Buf<int32_t> idx;
   Buf<float> iq, ik, iw;                // DSA: indexer queries [T, heads * Di], keys [T, Di], head weights [T, heads]
+  Buf<float> isc;                       // DSA, few tokens: their indexer scores [T, max_ctx] (else null)
   Buf<int32_t> sel, nsel;               // DSA: each token's chosen cache slots [T, sel_ld] and their count [T]
   int64_t sel_ld = 0;
   // routing result: experts in ascending id with their tokens (pair rows into act) and weights
@@ -266,16 +267,36 @@ struct Forward {
     const auto st = cache.scalar_type();
     const int ctype = st == at::kBFloat16 ? cpu::kBF16 : st == at::kFloat8_e4m3fn ? cpu::kFP8 : cpu::kF32;
     if (dsa) {   // each token's indexer scores over its visible keys, then its top-k (dsa_cpu.h)
-      const auto [t0, t1] = tm.split_cost(T, [&](int64_t t) { return visible_of(t) + 16; });
-      float* sc = dsa_scratch[tm.rank()].get();
       const float iscale = static_cast<float>(std::pow(static_cast<double>(Di), -0.5));
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t visible = visible_of(t);
-        const int32_t* table = b.tables + b.row_of[t] * b.max_blocks;
+      const auto scores = [&](int64_t t, int64_t first, int64_t n, float* out) {
         K().index_scores(w.iq.get() + t * nih * Di, w.iw.get() + t * nih, nih, Di, cache.data_ptr(), ctype, ld, D,
-                         b.page, table, visible, iscale, sc);
-        w.nsel[t] = static_cast<int32_t>(dsa::select(sc, visible, d.idx_topk, table, b.page,
-                                                     w.sel.get() + t * w.sel_ld, sc + b.max_ctx + 16));
+                         b.page, b.tables + b.row_of[t] * b.max_blocks, first, n, iscale, out);
+      };
+      const auto choose = [&](int64_t t, const float* sc, float* tmp) {
+        const int32_t* table = b.tables + b.row_of[t] * b.max_blocks;
+        w.nsel[t] = static_cast<int32_t>(
+            dsa::select(sc, visible_of(t), d.idx_topk, table, b.page, w.sel.get() + t * w.sel_ld, tmp));
+      };
+      float* mine = dsa_scratch[tm.rank()].get();
+      if (w.isc.get() != nullptr) {   // few tokens (decode, verify): every member scores chunks of keys, then select
+        constexpr int64_t kChunk = 512;
+        const int64_t per = (b.max_ctx + kChunk - 1) / kChunk;
+        const auto [i0, i1] = tm.split_cost(T * per, [&](int64_t i) {
+          return std::max<int64_t>(0, std::min(kChunk, visible_of(i / per) - (i % per) * kChunk));
+        });
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t t = i / per, first = (i % per) * kChunk, n = std::min(kChunk, visible_of(t) - first);
+          if (n > 0) scores(t, first, n, w.isc.get() + t * b.max_ctx + first);
+        }
+        tm.sync();
+        const auto [t0, t1] = tm.split(T);
+        for (int64_t t = t0; t < t1; ++t) choose(t, w.isc.get() + t * b.max_ctx, mine);
+      } else {                        // many (prefill chunks): a token each
+        const auto [t0, t1] = tm.split_cost(T, [&](int64_t t) { return visible_of(t) + 16; });
+        for (int64_t t = t0; t < t1; ++t) {
+          scores(t, 0, visible_of(t), mine);
+          choose(t, mine, mine + b.max_ctx + 16);
+        }
       }
       tm.sync();
     }
@@ -560,6 +581,9 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
       {&w.acts, nullptr, T * I_sh}, {&w.logits, nullptr, T * std::max<int64_t>(d.experts, 1)},
       {&w.wts, nullptr, T * k}, {nullptr, &w.idx, T * k}, {&w.iq, nullptr, T * nih * Di}, {&w.ik, nullptr, T * Di},
       {&w.iw, nullptr, T * nih}, {nullptr, &w.sel, T * w.sel_ld}, {nullptr, &w.nsel, any_dsa ? T : 0}};
+  // DSA scores of a few tokens (up to 16 Mi floats) are computed by key chunks across the team into one buffer
+  const bool split_keys = any_dsa && T * b.max_ctx <= (int64_t(1) << 24);
+  if (split_keys) want.push_back({&w.isc, nullptr, T * b.max_ctx});
   for (int i = 0; i < nt; ++i) {
     want.push_back({&scratch[i], nullptr, scratch_floats + T * H});
     want.push_back({&att[i], nullptr, nh * (b.max_ctx + 2)});

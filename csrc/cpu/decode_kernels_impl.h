@@ -736,6 +736,8 @@ void sigmoid(const float* x, int64_t n, float* y) {
 // Where the keys of one attention call live: cache rows `ld` elements apart, visited in order. PagedKeys: the
 // positions 0, 1, ... of a row through its block table (a running (block, offset) counter, no division per
 // key); SlotKeys: the rows a sparse (DSA) query chose, ascending positions.
+// prefetch(): the keys a few steps ahead, where the hardware cannot guess them (SlotKeys: rows scattered over the
+// context; without it each of the 2048 chosen rows costs a cache miss in every pass over them).
 struct PagedKeys {
   const int32_t* table;
   int64_t page;
@@ -744,11 +746,22 @@ struct PagedKeys {
     if (off == page) { off = 0; ++blk; }
     return static_cast<int64_t>(table[blk]) * page + off++;
   }
+  template <typename CT>
+  inline void prefetch(const CT*, int64_t, int64_t, int64_t) const {}
 };
 struct SlotKeys {
+  static constexpr int64_t kAhead = 6;
   const int32_t* slots;
+  int64_t n;
   int64_t i = 0;
   inline int64_t next() { return slots[i++]; }
+  // elements [r0, r0 + len) of the row kAhead keys ahead
+  template <typename CT>
+  inline void prefetch(const CT* cache, int64_t ld, int64_t r0, int64_t len) const {
+    if (i + kAhead >= n) return;
+    const char* p = reinterpret_cast<const char*>(cache + slots[i + kAhead] * ld + r0);
+    for (int64_t b = 0; b < len * static_cast<int64_t>(sizeof(CT)); b += 64) __builtin_prefetch(p + b);
+  }
 };
 
 // o[hh, r0 .. r0+rlen) = inv[hh] * sum_j p[hh, j] * c_kv_j[r0 ..] for NH heads (probabilities p with row
@@ -761,6 +774,7 @@ inline void attn_out_tile(const float* p, int64_t visible, const CT* cache, Keys
     for (int c = 0; c < 4; ++c) acc[hh][c] = vzero();
   const int nc = static_cast<int>((rlen + kLanes - 1) / kLanes);
   for (int64_t j = 0; j < visible; ++j) {
+    keys.prefetch(cache, ld, r0, rlen);
     const CT* key = cache + keys.next() * ld + r0;
     VF k[4];
     for (int c = 0; c < 4; ++c) k[c] = c < nc ? wload(key + 16 * c, rlen - 16 * c) : vzero();
@@ -791,6 +805,7 @@ inline void attn_scores_tile(const float* q, int64_t D, const CT* cache, Keys ke
       for (int c = 0; c < kChunks; ++c) qv[hh][c] = wload(q + hh * D + 16 * c, D - 16 * c);
   }
   for (int64_t j = 0; j < visible; ++j) {
+    keys.prefetch(cache, ld, 0, D);
     const CT* key = cache + keys.next() * ld;
     VF acc[4] = {vzero(), vzero(), vzero(), vzero()};
     if (DC > 0) {
@@ -909,7 +924,7 @@ void attention(const float* q_t, int64_t H, int64_t h0, int64_t h1, int64_t R, i
 void sparse_attention(const float* q_t, int64_t h0, int64_t h1, int64_t R, int64_t P, const void* cache, int ctype,
                       int64_t ld, const int32_t* slots, int64_t n, float scale, float* out_t, float* scratch) {
   with_cache(cache, ctype, [&](const auto* c, float v) {
-    attention_typed(q_t, h0, h1, R, P, c, SlotKeys{slots}, ld, n, scale * v, out_t, scratch, v);
+    attention_typed(q_t, h0, h1, R, P, c, SlotKeys{slots, n}, ld, n, scale * v, out_t, scratch, v);
   });
 }
 
@@ -962,9 +977,10 @@ void index_scores_typed(const float* q, const float* w, int64_t heads, int64_t D
 }
 
 void index_scores(const float* q, const float* w, int64_t heads, int64_t Di, const void* cache, int ctype, int64_t ld,
-                  int64_t off, int64_t page, const int32_t* table, int64_t visible, float scale, float* out) {
+                  int64_t off, int64_t page, const int32_t* table, int64_t first, int64_t n, float scale, float* out) {
+  const PagedKeys keys{table, page, first / page, first % page};
   with_cache(cache, ctype, [&](const auto* c, float v) {
-    index_scores_typed(q, w, heads, Di, c, ld, off, PagedKeys{table, page}, visible, scale * v, out);
+    index_scores_typed(q, w, heads, Di, c, ld, off, keys, n, scale * v, out);
   });
 }
 
