@@ -319,8 +319,9 @@ def _v32_random(**kw):
     return model
 
 
+# up to 64 tokens a call the indexer's scores are split by key chunks across threads, beyond it by tokens
 ROWS = {"one": [(9, 1)], "verify": [(13, 4)], "ragged": [(5, 1), (17, 3), (2, 2), (30, 6)],
-        "prefill": [(23, 23), (9, 9)]}
+        "prefill": [(23, 23), (9, 9)], "long_prefill": [(75, 70)]}
 
 
 @NATIVE
@@ -333,8 +334,10 @@ def test_native_forward_matches_its_reference(rows, cache, monkeypatch) -> None:
     out, ref, c_nat, c_ref, _ = _native_pair(model, ROWS[rows], dtype)
     tol = 1e-4 if cache == "float32" else 2e-3
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    # the cache rows: equal up to one step of the cache's format (a value within 1e-7 of a rounding boundary)
+    step = {"float32": 1e-4, "bfloat16": 2 ** -7, "fp8": 2 ** -3}[cache]
     for a, b in zip(c_nat, c_ref):
-        torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(a.float(), b.float(), rtol=step, atol=2 ** -9 if cache == "fp8" else tol)
 
 
 @NATIVE
@@ -368,7 +371,7 @@ def test_native_is_bitwise_batch_and_thread_invariant(quant) -> None:
         model.native = None
         model.decode_fused = False
         model.ensure_decode_fused()
-    rows = [(9, 1), (14, 3), (21, 2)]
+    rows = [(9, 1), (14, 3), (21, 2), (80, 66)]          # 72 tokens: the by-token split; one each: by keys
     whole, _, c_whole, _, (ids, meta, caches) = _native_pair(model, rows)
     nd, n = model.native, model.config.num_hidden_layers
     parts, c_one = [], [c.clone() for c in caches]
@@ -452,3 +455,32 @@ def test_make_tiny_and_make_scale_write_v32(tmp_path: Path) -> None:
     assert r.exit_code == 2 and "use --shape deepseek-v3" in r.output
     r = CliRunner().invoke(app, ["make-tiny", str(tmp_path / "q"), "--arch", "v32", "--q_lora_rank", "0"])
     assert r.exit_code == 2 and "needs q_lora_rank" in r.output
+
+
+@NATIVE
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_v32_widths_bf16_and_fp8_greedy_mtp_equals_plain(tmp_path: Path, fmt: str) -> None:
+    """make-scale --arch v32 at 1/16 of V3.2's widths (8 heads, 4 indexer heads of 8, 16 experts of 128 in 8
+    groups), index_topk 12 under 30-70-token contexts, bf16 weights (the bf16-activation kernels where the CPU has
+    them) or their FP8 twin, 2 threads: greedy MTP (Eagle K=1, 3) == greedy without it, batch 1 and 3."""
+    from mtp_core.quantize import quantize_checkpoint
+    from mtp_core.scale_model import write_scale_checkpoint
+    src = write_scale_checkpoint(tmp_path / "v32", "deepseek-v3", num_layers=2, num_mtp=1, width_divisor=16,
+                                 vocab_size=512, n_routed_experts=16, arch="v32", overrides={"index_topk": 12})
+    if fmt == "fp8":
+        quantize_checkpoint(src, tmp_path / "fp8", "fp8")
+        src = tmp_path / "fp8"
+    prompts = [[20 + i + 7 * j for j in range(30 + 13 * i)] for i in range(3)]
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = load_model(src, "auto")[0]
+        base = make_engine(model, max_batch_size=3)
+        assert model.native is not None and model.native.weights.dims["index_topk"] == 12
+        want = [s.output_ids for s in run_to_end(base, prompts, greedy(16))]
+        for K in (1, 3):
+            for bs in (1, 3):
+                eng = make_engine(model, nextn=K, mode="eagle", max_batch_size=bs)
+                assert [s.output_ids for s in run_to_end(eng, prompts, greedy(16))] == want, (K, bs)
+    finally:
+        torch.set_num_threads(old)

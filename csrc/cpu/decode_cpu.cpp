@@ -581,8 +581,9 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
       {&w.acts, nullptr, T * I_sh}, {&w.logits, nullptr, T * std::max<int64_t>(d.experts, 1)},
       {&w.wts, nullptr, T * k}, {nullptr, &w.idx, T * k}, {&w.iq, nullptr, T * nih * Di}, {&w.ik, nullptr, T * Di},
       {&w.iw, nullptr, T * nih}, {nullptr, &w.sel, T * w.sel_ld}, {nullptr, &w.nsel, any_dsa ? T : 0}};
-  // DSA scores of a few tokens (up to 16 Mi floats) are computed by key chunks across the team into one buffer
-  const bool split_keys = any_dsa && T * b.max_ctx <= (int64_t(1) << 24);
+  // DSA scores of a few tokens (decode / verify / draft batches: up to 64 tokens and 16 Mi scores) are computed by
+  // key chunks across the team into one buffer; a prefill chunk's tokens are split among the members instead
+  const bool split_keys = any_dsa && T <= 64 && T * b.max_ctx <= (int64_t(1) << 24);
   if (split_keys) want.push_back({&w.isc, nullptr, T * b.max_ctx});
   for (int i = 0; i < nt; ++i) {
     want.push_back({&scratch[i], nullptr, scratch_floats + T * H});
