@@ -251,6 +251,17 @@ def test_greedy_mtp_equals_plain_greedy(v32_dirs, path, ckpt, mode, K) -> None:
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("ckpt,mode", [("tiny1", "eagle"), ("tiny3", "vanilla")])
+def test_cost_policy_keeps_greedy_mtp_equal_to_plain(v32_dirs, path, ckpt, mode) -> None:
+    """draft_len_policy cost (the default: 0..K drafts per step from measured step costs) on V3.2's general-path
+    steps: whatever counts it picks, the text is plain greedy's."""
+    model = v32_model(v32_dirs, ckpt, path)
+    eng = make_engine(model, nextn=3, mode=mode, max_batch_size=4, spec={"draft_len_policy": "cost"})
+    assert eng.policy.policy == "cost"
+    assert [s.output_ids for s in run_to_end(eng, PROMPTS, greedy(28))] == [reference(model, p, 28) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_relaxed_acceptance_with_zero_delta_equals_strict(v32_dirs, path) -> None:
     """Relaxed acceptance on thinking prompts (<think> = id 5): delta 0 must equal strict greedy."""
     model = v32_model(v32_dirs, "tiny1", path)

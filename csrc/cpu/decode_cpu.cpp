@@ -560,6 +560,9 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
   }
   bool any_dsa = false;
   for (int64_t l = first_layer; l < first_layer + num_layers; ++l) any_dsa |= W.layers()[l].dsa();
+  for (const at::Tensor& c : caches)   // a DSA layer writes and reads its index keys after [c_kv | k_pe]
+    TORCH_CHECK(!any_dsa || c.size(2) == d.cache_row(), "decode forward: DeepSeek-V3.2 layers need cache rows of ",
+                d.cache_row(), " ([c_kv | k_pe | index key]), got ", c.size(2));
   const int64_t nih = any_dsa ? d.idx_heads : 0, Di = any_dsa ? d.idx_dim : 0;
   w.sel_ld = any_dsa ? std::min(d.idx_topk, b.max_ctx) : 0;
   const int64_t k = std::max<int64_t>(d.top_k, 1);
