@@ -262,6 +262,18 @@ def test_cost_policy_keeps_greedy_mtp_equal_to_plain(v32_dirs, path, ckpt, mode)
 
 
 @pytest.mark.parametrize("path", PATHS)
+def test_fp8_kv_cache_greedy_mtp_equals_plain(v32_dirs, path) -> None:
+    """An e4m3 cache (--kv_cache_dtype fp8) holds the index keys too: greedy MTP == plain greedy on it."""
+    model = v32_model(v32_dirs, "tiny1", path)
+    base = make_engine(model, max_batch_size=4, kv_dtype="fp8")
+    assert base.caches[0].dtype == torch.float8_e4m3fn and base.caches[0].shape[-1] == model.config.kv_cache_dim
+    want = [s.output_ids for s in run_to_end(base, PROMPTS, greedy(24))]
+    eng = make_engine(model, nextn=3, mode="eagle", max_batch_size=4, kv_dtype="fp8")
+    assert [s.output_ids for s in run_to_end(eng, PROMPTS, greedy(24))] == want
+    assert eng.stats.num_draft_accepted > 0
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_relaxed_acceptance_with_zero_delta_equals_strict(v32_dirs, path) -> None:
     """Relaxed acceptance on thinking prompts (<think> = id 5): delta 0 must equal strict greedy."""
     model = v32_model(v32_dirs, "tiny1", path)
