@@ -8,7 +8,12 @@ import typer
 
 def make_scale_command(
     out_dir: Path = typer.Argument(..., help="Directory to create (must not exist or be empty)."),
-    shape: str = typer.Option("moonlight", "--shape", help="Widths: moonlight (Moonlight-16B-A3B) or deepseek-v3."),
+    shape: str = typer.Option("", "--shape", help="Widths: moonlight (Moonlight-16B-A3B) or deepseek-v3 (default: "
+                              "moonlight for --arch v3, deepseek-v3 for v32)."),
+    arch: str = typer.Option("v3", "--arch", help="v3 (DeepSeek-V3) or v32 (DeepSeek-V3.2: + sparse attention, 64 "
+                             "indexer heads of 128, top-2048, 160k context)."),
+    n_routed_experts: int = typer.Option(0, "--n_routed_experts", help="Routed experts per MoE layer (0: the "
+                                         "shape's); fewer keep a full-width checkpoint small."),
     num_layers: int = typer.Option(4, "--num_layers", help="Main decoder layers (the first is dense)."),
     num_mtp_modules: int = typer.Option(1, "--num_mtp_modules", help="MTP modules (num_nextn_predict_layers)."),
     vocab_size: int = typer.Option(32768, "--vocab_size", help="Vocabulary of the embedding and lm_head."),
@@ -24,9 +29,11 @@ def make_scale_command(
     try:
         if dtype not in dtypes:
             raise ValueError(f"--dtype must be bfloat16 or float32, got {dtype!r}")
-        path = write_scale_checkpoint(out_dir, shape.lower(), num_layers, num_mtp_modules, width_divisor,
-                                      vocab_size, seed, dtypes[dtype])
+        shape = shape.lower() or ("deepseek-v3" if arch == "v32" else "moonlight")
+        path = write_scale_checkpoint(out_dir, shape, num_layers, num_mtp_modules, width_divisor,
+                                      vocab_size, seed, dtypes[dtype], n_routed_experts=n_routed_experts or None,
+                                      arch=arch.lower())
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
-    typer.echo(f"wrote a {shape} checkpoint ({num_layers} layers + {num_mtp_modules} MTP) to {path}", err=True)
+    typer.echo(f"wrote a {shape} ({arch}) checkpoint ({num_layers} layers + {num_mtp_modules} MTP) to {path}", err=True)

@@ -6,8 +6,10 @@ Output layouts match what other engines read:
   nvfp4: `x.weight` uint8 [N, K/2] + `x.weight_scale` float8_e4m3fn [N, K/16] + `x.weight_scale_2`
          float32 [] + `x.input_scale` float32 []; hf_quant_config.json names the excluded modules.
 Only 2-D `*.weight` tensors are candidates. Never quantized: embeddings, `lm_head`, the MoE router
-(`mlp.gate`), the MTP `eh_proj` and `shared_head.head` (DeepSeek keeps them bf16); NVFP4 also keeps
-attention (`*self_attn*`) and any weight whose in_features is not a multiple of 16.
+(`mlp.gate`), the MTP `eh_proj` and `shared_head.head`, and DeepSeek-V3.2's indexer head weights
+(`self_attn.indexer.weights_proj`): DeepSeek keeps them bf16 (its V3.2 FP8 release stores the indexer's `wq_b` and
+`wk` as FP8 blocks with `weight_scale_inv`, as here, and `weights_proj` in bf16); NVFP4 also keeps attention
+(`*self_attn*`, the indexer included) and any weight whose in_features is not a multiple of 16.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from mtp_core.loader.quant.fp8 import Fp8BlockFormat, quantize_fp8_block
 from mtp_core.loader.quant.nvfp4 import E2M1_MAX, FP8_E4M3_MAX, matches_any, quantize_nvfp4
 
 FORMATS = {"fp8": "fp8_block", "fp8_block": "fp8_block", "nvfp4": "nvfp4"}
-ALWAYS_EXCLUDED = ("*embed_tokens", "lm_head", "*.mlp.gate", "*.eh_proj", "*.shared_head.head")
+ALWAYS_EXCLUDED = ("*embed_tokens", "lm_head", "*.mlp.gate", "*.eh_proj", "*.shared_head.head",
+                   "*.indexer.weights_proj")
 NVFP4_EXCLUDED = ("*self_attn*",)
 NVFP4_GROUP = 16
 DEFAULT_INPUT_SCALE = 1.0  # NVFP4 input_scale when no activation amax is supplied (uncalibrated)

@@ -5,6 +5,9 @@ widths of Moonlight-16B-A3B (hidden 2048, 16 heads, no q_lora, kv_lora 512, 64 r
 top-6 and 2 shared, a dense first layer of 11264); `deepseek-v3` those of DeepSeek-V3/R1 (hidden 7168, 128
 heads, q_lora 1536, 256 experts of 2048, top-8 in 8 groups). Depth is free (`num_layers`, plus MTP modules),
 and `width_divisor` shrinks every width for tests while keeping the structure (no q_lora, groups, ratios).
+`arch="v32"` makes it DeepSeek-V3.2 (`model_type: deepseek_v32`): every layer gains the sparse-attention
+indexer (64 heads of 128, each query attending to its top 2048 keys) and the context reaches 160k tokens
+through V3.2's YaRN (factor 40 over 4096).
 
 Tensors are generated one at a time from a per-tensor seed and written in shards of at most `shard_bytes`,
 so writing a 5 GB checkpoint holds one shard in memory. Hugging Face names, per-expert layout, bf16 by
@@ -36,15 +39,27 @@ SHAPES: dict[str, dict] = {
                         n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
                         rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096, vocab_size=129280),
 }
+ARCHS = ("v3", "v32")
+# DeepSeek-V3.2 (config.json of deepseek-ai/DeepSeek-V3.2-Exp): the indexer and the long-context rope
+V32_FIELDS = dict(index_n_heads=64, index_head_dim=128, index_topk=2048, max_position_embeddings=163840,
+                  rope_scaling={"type": "yarn", "rope_type": "yarn", "factor": 40,
+                                "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                                "mscale": 1.0, "mscale_all_dim": 1.0})
 _WIDTHS = ("hidden_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
            "intermediate_size", "moe_intermediate_size")
 
 
 def scale_config_dict(shape: str, num_layers: int = 4, num_mtp: int = 1, width_divisor: int = 1,
-                      vocab_size: int | None = None, n_routed_experts: int | None = None) -> dict:
-    """config.json of a `shape` model (SHAPES) at this depth; widths divided by width_divisor (tests)."""
+                      vocab_size: int | None = None, n_routed_experts: int | None = None, arch: str = "v3") -> dict:
+    """config.json of a `shape` model (SHAPES) at this depth; widths divided by width_divisor (tests); arch v32:
+    with DeepSeek-V3.2's sparse attention (V32_FIELDS; the indexer's widths divided too)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; use one of: {', '.join(SHAPES)}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; use one of: {', '.join(ARCHS)}")
+    if arch == "v32" and SHAPES[shape]["q_lora_rank"] is None:
+        raise ValueError(f"arch v32 needs a shape with q_lora_rank (the indexer reads the query latent); {shape} "
+                         "has none: use --shape deepseek-v3")
     if num_layers < 1 or num_mtp < 0 or width_divisor < 1:
         raise ValueError("num_layers must be >= 1, num_mtp >= 0 and width_divisor >= 1")
     s = dict(SHAPES[shape])
@@ -55,7 +70,7 @@ def scale_config_dict(shape: str, num_layers: int = 4, num_mtp: int = 1, width_d
         s["vocab_size"] = vocab_size
     if n_routed_experts is not None:
         s["n_routed_experts"] = n_routed_experts
-    return {
+    cfg = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         **s, "num_key_value_heads": s["num_attention_heads"],
         "num_hidden_layers": num_layers, "num_nextn_predict_layers": num_mtp, "first_k_dense_replace": 1,
@@ -64,6 +79,12 @@ def scale_config_dict(shape: str, num_layers: int = 4, num_mtp: int = 1, width_d
         "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False, "use_cache": True,
         "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
     }
+    if arch == "v32":
+        cfg.update(V32_FIELDS, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32")
+        cfg["rope_scaling"] = dict(V32_FIELDS["rope_scaling"])
+        cfg["index_n_heads"] = max(1, V32_FIELDS["index_n_heads"] // width_divisor)
+        cfg["index_head_dim"] = max(s["qk_rope_head_dim"], V32_FIELDS["index_head_dim"] // width_divisor)
+    return cfg
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple[torch.Size, bool]]:
@@ -105,7 +126,8 @@ def _shards(tensors: dict[str, tuple[torch.Size, bool]], shard_bytes: int, elem:
 def write_scale_checkpoint(out_dir: str | Path, shape: str = "moonlight", num_layers: int = 4, num_mtp: int = 1,
                            width_divisor: int = 1, vocab_size: int | None = None, seed: int = 0,
                            dtype: torch.dtype = torch.bfloat16, shard_bytes: int = 512 << 20,
-                           n_routed_experts: int | None = None, overrides: dict | None = None) -> Path:
+                           n_routed_experts: int | None = None, overrides: dict | None = None,
+                           arch: str = "v3") -> Path:
     """Write config, tokenizer and sharded safetensors into out_dir (which must not exist or be empty);
     written into a temporary sibling and renamed at the end, so nothing half-written remains.
     overrides: config.json fields set after the shape's widths (e.g. a smaller moe_intermediate_size)."""
@@ -114,7 +136,7 @@ def write_scale_checkpoint(out_dir: str | Path, shape: str = "moonlight", num_la
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise ValueError(f"{out} exists and is not empty; choose a new directory")
-    cfg_dict = scale_config_dict(shape, num_layers, num_mtp, width_divisor, vocab_size, n_routed_experts)
+    cfg_dict = scale_config_dict(shape, num_layers, num_mtp, width_divisor, vocab_size, n_routed_experts, arch)
     unknown = sorted(set(overrides or {}) - set(cfg_dict))
     if unknown:
         raise ValueError(f"overrides: {unknown[0]!r} is not a config.json field of the {shape} shape")

@@ -1,4 +1,4 @@
-"""Writing tiny random DeepSeek-V3 checkpoints (for tests and for trying the engine offline)."""
+"""Writing tiny random DeepSeek-V3 / V3.2 checkpoints (for tests and for trying the engine offline)."""
 from __future__ import annotations
 
 import json
@@ -14,11 +14,20 @@ from torch import nn
 from mtp_core.config import ModelConfig
 from mtp_core.model import DeepseekV3ForCausalLM
 
+ARCHS = ("v3", "v32")   # DeepSeek-V3 (MLA), DeepSeek-V3.2 (MLA + sparse attention)
+
 
 def tiny_config_dict(vocab_size: int, num_layers: int = 2, num_mtp: int = 1, q_lora_rank: Optional[int] = 32,
                      yarn: bool = False, n_group: int = 2, first_k_dense: int = 1, hidden_size: int = 64,
                      rope_interleave: bool = True, max_position_embeddings: int = 2048,
-                     moe_layer_freq: int = 1) -> dict:
+                     moe_layer_freq: int = 1, arch: str = "v3", index_topk: int = 8) -> dict:
+    """config.json of a tiny model; arch "v32" adds DeepSeek-V3.2's sparse attention (an indexer of 4 heads of
+    16 per layer, each query attending to its index_topk best keys: small, so that short prompts exercise the
+    selection)."""
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {', '.join(ARCHS)}, got {arch!r}")
+    if arch == "v32" and not q_lora_rank:
+        raise ValueError("a v32 (DeepSeek-V3.2) model needs q_lora_rank: its indexer reads the query latent")
     cfg = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -61,6 +70,9 @@ def tiny_config_dict(vocab_size: int, num_layers: int = 2, num_mtp: int = 1, q_l
         "eos_token_id": None,
         "torch_dtype": "float32",
     }
+    if arch == "v32":
+        cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=index_topk,
+                   index_head_dim=16, index_n_heads=4)
     if yarn:
         cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": 4.0,
                                "original_max_position_embeddings": max_position_embeddings // 4,
@@ -104,7 +116,8 @@ def write_weights(out_dir: Path, state: dict[str, torch.Tensor], num_shards: int
 def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, num_layers: int = 2, num_mtp: int = 1,
                          q_lora_rank: Optional[int] = 32, yarn: bool = False, num_shards: int = 1,
                          n_group: int = 2, first_k_dense: int = 1, vocab_size: int = 512,
-                         hidden_size: int = 64, rope_interleave: bool = True, overwrite: bool = False) -> Path:
+                         hidden_size: int = 64, rope_interleave: bool = True, overwrite: bool = False,
+                         arch: str = "v3", index_topk: int = 8) -> Path:
     """Write a complete tiny checkpoint directory (config, weights, tokenizer, chat template)."""
     from mtp_core.tokenizer_build import build_tiny_tokenizer
 
@@ -115,7 +128,7 @@ def make_tiny_checkpoint(out_dir: str | Path, seed: int = 0, num_layers: int = 2
     try:
         tok = build_tiny_tokenizer(tmp, vocab_size=vocab_size)
         cfg_dict = tiny_config_dict(tok.get_vocab_size(), num_layers, num_mtp, q_lora_rank, yarn, n_group,
-                                    first_k_dense, hidden_size, rope_interleave)
+                                    first_k_dense, hidden_size, rope_interleave, arch=arch, index_topk=index_topk)
         bos, eos = tok.token_to_id("<｜begin▁of▁sentence｜>"), tok.token_to_id("<｜end▁of▁sentence｜>")
         cfg_dict["bos_token_id"], cfg_dict["eos_token_id"] = bos, eos
         model = DeepseekV3ForCausalLM(ModelConfig.from_dict(cfg_dict))

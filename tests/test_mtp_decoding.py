@@ -250,7 +250,7 @@ def _gather(eng: Engine, seq, n: int) -> list[torch.Tensor]:
 
 def _definition(model, ids: list[int], n: int, num_mtp: int) -> list[torch.Tensor]:
     """Independent dense recompute of what every cache must hold at positions 0..n-1 (per layer [n, D]):
-    main layer i: the latent [c_kv | roped k_pe] of layer i's input; MTP module k: the latent of its
+    main layer i: the latent [c_kv | roped k_pe] (DSA: + the index key) of layer i's input; MTP module k: that of its
     input built from (token ids[q+1], final-normed main hidden h_q)."""
     rope = model.rope
     with torch.inference_mode():
@@ -259,14 +259,14 @@ def _definition(model, ids: list[int], n: int, num_mtp: int) -> list[torch.Tenso
         out = []
         for i in range(model.num_main_layers):
             layer = model.model.layers[i]
-            out.append(layer.self_attn._project(layer.input_layernorm(x), rope, cos, sin)[2][0])
+            out.append(layer.self_attn.cache_row(layer.input_layernorm(x), rope, cos, sin)[0])
             x = layer.block(x, rope, cos, sin, None, None)
         h = model.model.norm(x)                                                     # [1, n, H]
         e = model.model.embed_tokens(torch.tensor([ids[1:n + 1]]))
         for k in range(num_mtp):
             m = model.mtp_module(k)
             xm = m.eh_proj(torch.cat([m.enorm(e), m.hnorm(h)], dim=-1))
-            out.append(m.self_attn._project(m.input_layernorm(xm), rope, cos, sin)[2][0])
+            out.append(m.self_attn.cache_row(m.input_layernorm(xm), rope, cos, sin)[0])
     return out
 
 

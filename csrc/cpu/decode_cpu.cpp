@@ -20,6 +20,7 @@
 // (projection rows, (head, latent) tiles, (token, head) attention items, expert rows) across the members,
 // and the members meet at a barrier between ops.
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -38,6 +39,7 @@
 #include "decode_forward.h"
 #include "decode_kernels.h"
 #include "decode_weights.h"
+#include "dsa_cpu.h"
 #include "thread_team.h"
 
 namespace mtp_core {
@@ -156,6 +158,10 @@ struct Work {
   Buf<float> gs, us, acts;
   Buf<float> logits, wts;               // router
   Buf<int32_t> idx;
+  Buf<float> iq, ik, iw;                // DSA: indexer queries [T, heads * Di], keys [T, Di], head weights [T, heads]
+  Buf<float> isc;                       // DSA, few tokens: their indexer scores [T, max_ctx] (else null)
+  Buf<int32_t> sel, nsel;               // DSA: each token's chosen cache slots [T, sel_ld] and their count [T]
+  int64_t sel_ld = 0;
   // routing result: experts in ascending id with their tokens (pair rows into act) and weights
   std::vector<int32_t> active, first, tokens;         // tokens of active[i] at tokens[first[i]..first[i+1])
   std::vector<float> weight;                          // parallel to tokens
@@ -168,6 +174,7 @@ struct Forward {
   const Batch& b;
   Work& w;
   int64_t scratch_floats;
+  std::vector<Buf<float>>& dsa_scratch;   // per member: the scores of one query and selection's copy of them
 
   // ---- helpers ------------------------------------------------------------------------------------
   void gemm(Team& tm, const Mat& M, const Rows& X, float* Y, int64_t ldy, float* scratch) const {
@@ -187,8 +194,14 @@ struct Forward {
     norm_rows(tm, w.x.get(), H, H, L.in_norm, w.h.get(), H);
     tm.sync();
     const Rows hx{w.h.get(), H, nullptr, T};
+    const bool dsa = L.dsa();
+    const int64_t nih = d.idx_heads, Di = d.idx_dim, ld = cache.size(2);   // cache row: [c_kv | k_pe (| index key)]
     gemm(tm, L.q_in, hx, w.aq.get(), w.q_in_ld, scratch);
     gemm(tm, L.kv_a, hx, w.akv.get(), R + P, scratch);
+    if (dsa) {
+      gemm(tm, L.idx_k, hx, w.ik.get(), Di, scratch);
+      gemm(tm, L.idx_w, hx, w.iw.get(), nih, scratch);
+    }
     tm.sync();
     const float* kv_src = w.akv.get();
     const int64_t kv_ld = R + P;
@@ -198,6 +211,7 @@ struct Forward {
       norm_rows(tm, w.aq.get(), w.q_in_ld, d.q_lora, L.q_a_norm, w.qc.get(), d.q_lora);
       tm.sync();
       gemm(tm, L.q_b, Rows{w.qc.get(), d.q_lora, nullptr, T}, w.q.get(), nh * dq, scratch);
+      if (dsa) gemm(tm, L.idx_q, Rows{w.qc.get(), d.q_lora, nullptr, T}, w.iq.get(), nih * Di, scratch);
       tm.sync();
       q = w.q.get();
       q_ld = nh * dq;
@@ -208,21 +222,25 @@ struct Forward {
     {
       const auto [t0, t1] = tm.split(T);
       const auto cache_type = cache.scalar_type();
-      float tmp[2 * 512 + 64], kv[1024 + 256];
+      float tmp[2 * 512 + 64], kv[1280 + 512];
       for (int64_t t = t0; t < t1; ++t) {
         const float* c = b.cos + b.positions[t] * (P / 2);
         const float* s = b.sin + b.positions[t] * (P / 2);
         K().rms_norm(kv_src + t * kv_ld, kv_ld, 1, R, L.kv_norm.p, L.kv_norm.type, d.eps, kv, R);
         std::memcpy(kv + R, kv_src + t * kv_ld + R, sizeof(float) * P);
         rope_inplace(kv + R, P, c, s, d.interleave, tmp);
+        if (dsa) {   // the token's index key after its latent; its indexer query and head weights
+          dsa::index_key(w.ik.get() + t * Di, Di, P, L.idx_norm, L.idx_bias, d.idx_eps, c, s, kv + D);
+          dsa::index_query(w.iq.get() + t * nih * Di, w.iw.get() + t * nih, nih, Di, P, c, s);
+        }
         if (cache_type == at::kBFloat16) {
-          c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + b.slots[t] * D;
-          for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<c10::BFloat16>(kv[i]);
+          c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + b.slots[t] * ld;
+          for (int64_t i = 0; i < ld; ++i) dst[i] = static_cast<c10::BFloat16>(kv[i]);
         } else if (cache_type == at::kFloat8_e4m3fn) {   // torch's rounding (nearest even, saturating)
-          c10::Float8_e4m3fn* dst = cache.data_ptr<c10::Float8_e4m3fn>() + b.slots[t] * D;
-          for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<c10::Float8_e4m3fn>(kv[i]);
+          c10::Float8_e4m3fn* dst = cache.data_ptr<c10::Float8_e4m3fn>() + b.slots[t] * ld;
+          for (int64_t i = 0; i < ld; ++i) dst[i] = static_cast<c10::Float8_e4m3fn>(kv[i]);
         } else {
-          std::memcpy(cache.data_ptr<float>() + b.slots[t] * D, kv, sizeof(float) * D);
+          std::memcpy(cache.data_ptr<float>() + b.slots[t] * ld, kv, sizeof(float) * ld);
         }
         for (int64_t hh = 0; hh < nh; ++hh) {
           float* qr = q + t * q_ld + hh * dq + (dq - P);
@@ -242,21 +260,61 @@ struct Forward {
       }
       tm.sync();
     }
+    const auto visible_of = [&](int64_t t) {
+      const int64_t r = b.row_of[t];
+      return b.ctx[r] - (b.qstart[r + 1] - b.qstart[r]) + (t - b.qstart[r]) + 1;
+    };
+    const auto st = cache.scalar_type();
+    const int ctype = st == at::kBFloat16 ? cpu::kBF16 : st == at::kFloat8_e4m3fn ? cpu::kFP8 : cpu::kF32;
+    if (dsa) {   // each token's indexer scores over its visible keys, then its top-k (dsa_cpu.h)
+      const float iscale = static_cast<float>(std::pow(static_cast<double>(Di), -0.5));
+      const auto scores = [&](int64_t t, int64_t first, int64_t n, float* out) {
+        K().index_scores(w.iq.get() + t * nih * Di, w.iw.get() + t * nih, nih, Di, cache.data_ptr(), ctype, ld, D,
+                         b.page, b.tables + b.row_of[t] * b.max_blocks, first, n, iscale, out);
+      };
+      const auto choose = [&](int64_t t, const float* sc, float* tmp) {
+        const int32_t* table = b.tables + b.row_of[t] * b.max_blocks;
+        w.nsel[t] = static_cast<int32_t>(
+            dsa::select(sc, visible_of(t), d.idx_topk, table, b.page, w.sel.get() + t * w.sel_ld, tmp));
+      };
+      float* mine = dsa_scratch[tm.rank()].get();
+      if (w.isc.get() != nullptr) {   // few tokens (decode, verify): every member scores chunks of keys, then select
+        constexpr int64_t kChunk = 512;
+        const int64_t per = (b.max_ctx + kChunk - 1) / kChunk;
+        const auto [i0, i1] = tm.split_cost(T * per, [&](int64_t i) {
+          return std::max<int64_t>(0, std::min(kChunk, visible_of(i / per) - (i % per) * kChunk));
+        });
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t t = i / per, first = (i % per) * kChunk, n = std::min(kChunk, visible_of(t) - first);
+          if (n > 0) scores(t, first, n, w.isc.get() + t * b.max_ctx + first);
+        }
+        tm.sync();
+        const auto [t0, t1] = tm.split(T);
+        for (int64_t t = t0; t < t1; ++t) choose(t, w.isc.get() + t * b.max_ctx, mine);
+      } else {                        // many (prefill chunks): a token each
+        const auto [t0, t1] = tm.split_cost(T, [&](int64_t t) { return visible_of(t) + 16; });
+        for (int64_t t = t0; t < t1; ++t) {
+          scores(t, 0, visible_of(t), mine);
+          choose(t, mine, mine + b.max_ctx + 16);
+        }
+      }
+      tm.sync();
+    }
     {   // attention: (token, group of 4 heads) items
       const int64_t groups = (nh + 3) / 4;
-      const auto visible_of = [&](int64_t t) {
-        const int64_t r = b.row_of[t];
-        return b.ctx[r] - (b.qstart[r + 1] - b.qstart[r]) + (t - b.qstart[r]) + 1;
-      };
+      const auto keys_of = [&](int64_t t) { return dsa ? static_cast<int64_t>(w.nsel[t]) : visible_of(t); };
       // balanced by the keys each item reads (a prefill's later tokens see more of them)
-      const auto [i0, i1] = tm.split_cost(T * groups, [&](int64_t i) { return visible_of(i / groups) + 16; });
-      const auto st = cache.scalar_type();
-      const int ctype = st == at::kBFloat16 ? cpu::kBF16 : st == at::kFloat8_e4m3fn ? cpu::kFP8 : cpu::kF32;
+      const auto [i0, i1] = tm.split_cost(T * groups, [&](int64_t i) { return keys_of(i / groups) + 16; });
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t t = i / groups, h0 = (i % groups) * 4, h1 = std::min(nh, h0 + 4);
-        const int64_t r = b.row_of[t], visible = visible_of(t);
-        K().attention(qlat + t * qlat_ld, nh, h0, h1, R, P, cache.data_ptr(), ctype, b.page,
-                      b.tables + r * b.max_blocks, visible, d.scale, w.olat.get() + t * nh * R, att_scratch);
+        float* out_t = w.olat.get() + t * nh * R;
+        if (dsa) {
+          K().sparse_attention(qlat + t * qlat_ld, h0, h1, R, P, cache.data_ptr(), ctype, ld,
+                               w.sel.get() + t * w.sel_ld, w.nsel[t], d.scale, out_t, att_scratch);
+        } else {
+          K().attention(qlat + t * qlat_ld, nh, h0, h1, R, P, cache.data_ptr(), ctype, b.page,
+                        b.tables + b.row_of[t] * b.max_blocks, visible_of(t), d.scale, out_t, att_scratch);
+        }
       }
     }
     tm.sync();
@@ -502,6 +560,13 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
     if (!L.experts.empty()) I_exp = std::max(I_exp, L.experts[0].inter);
     if (L.shared.defined()) I_sh = std::max(I_sh, L.shared.inter);
   }
+  bool any_dsa = false;
+  for (int64_t l = first_layer; l < first_layer + num_layers; ++l) any_dsa |= W.layers()[l].dsa();
+  for (const at::Tensor& c : caches)   // a DSA layer writes and reads its index keys after [c_kv | k_pe]
+    TORCH_CHECK(!any_dsa || c.size(2) == d.cache_row(), "decode forward: DeepSeek-V3.2 layers need cache rows of ",
+                d.cache_row(), " ([c_kv | k_pe | index key]), got ", c.size(2));
+  const int64_t nih = any_dsa ? d.idx_heads : 0, Di = any_dsa ? d.idx_dim : 0;
+  w.sel_ld = any_dsa ? std::min(d.idx_topk, b.max_ctx) : 0;
   const int64_t k = std::max<int64_t>(d.top_k, 1);
   const int64_t ffn = std::max(T * k * I_exp, T * I_dense);
   const int64_t scratch_floats = W.max_scratch() + 64;
@@ -511,7 +576,7 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
     Buf<int32_t>* i;
     int64_t n;
   };
-  std::vector<Buf<float>> scratch(nt), att(nt);
+  std::vector<Buf<float>> scratch(nt), att(nt), dsa_sc(nt);
   std::vector<Want> want = {
       {&w.x, nullptr, T * H}, {&w.h, nullptr, T * H}, {&w.aq, nullptr, T * q_in_n}, {&w.akv, nullptr, T * (R + P)},
       {&w.qc, nullptr, T * d.q_lora}, {&w.q, nullptr, T * q_n}, {&w.qlat, nullptr, T * nh * (R + P)},
@@ -519,10 +584,16 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
       {&w.g, nullptr, std::max(ffn, 2 * T * H)},   // also the MTP prologue's [enorm | hnorm]
       {&w.u, nullptr, ffn}, {&w.act, nullptr, ffn}, {&w.gs, nullptr, T * I_sh}, {&w.us, nullptr, T * I_sh},
       {&w.acts, nullptr, T * I_sh}, {&w.logits, nullptr, T * std::max<int64_t>(d.experts, 1)},
-      {&w.wts, nullptr, T * k}, {nullptr, &w.idx, T * k}};
+      {&w.wts, nullptr, T * k}, {nullptr, &w.idx, T * k}, {&w.iq, nullptr, T * nih * Di}, {&w.ik, nullptr, T * Di},
+      {&w.iw, nullptr, T * nih}, {nullptr, &w.sel, T * w.sel_ld}, {nullptr, &w.nsel, any_dsa ? T : 0}};
+  // DSA scores of a few tokens (decode / verify / draft batches: up to 64 tokens and 16 Mi scores) are computed by
+  // key chunks across the team into one buffer; a prefill chunk's tokens are split among the members instead
+  const bool split_keys = any_dsa && T <= 64 && T * b.max_ctx <= (int64_t(1) << 24);
+  if (split_keys) want.push_back({&w.isc, nullptr, T * b.max_ctx});
   for (int i = 0; i < nt; ++i) {
     want.push_back({&scratch[i], nullptr, scratch_floats + T * H});
     want.push_back({&att[i], nullptr, nh * (b.max_ctx + 2)});
+    want.push_back({&dsa_sc[i], nullptr, any_dsa ? 2 * (b.max_ctx + 16) : 0});
   }
   size_t total = 0;
   for (const Want& x : want) total += x.f ? Arena::bytes<float>(x.n) : Arena::bytes<int32_t>(x.n);
@@ -531,7 +602,7 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
   for (const Want& x : want) {
     if (x.f) *x.f = arena.take<float>(x.n); else *x.i = arena.take<int32_t>(x.n);
   }
-  Forward f{W, d, b, w, scratch_floats};
+  Forward f{W, d, b, w, scratch_floats, dsa_sc};
   const float* emb_f = static_cast<const float*>(W.embed().p);
   const c10::BFloat16* emb_b = static_cast<const c10::BFloat16*>(W.embed().p);
   run_team(nt, [&](Team& tm) {
@@ -607,14 +678,14 @@ void check_batch(const DecodeDims& d, const at::Tensor& ids, const at::Tensor& p
   b.cos = rope_cos.data_ptr<float>();
   b.sin = rope_sin.data_ptr<float>();
   TORCH_CHECK(b.qstart[0] == 0 && b.qstart[b.B] == T, "decode_forward: query_start must run from 0 to T");
-  const int64_t D = d.R + d.P;
+  const int64_t D = d.cache_row();
   for (const at::Tensor& c : caches) {
     TORCH_CHECK(c.dim() == 3 && c.size(2) == D && c.is_contiguous() &&
                     (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16 ||
                      c.scalar_type() == at::kFloat8_e4m3fn) &&
                     c.sizes() == caches[0].sizes() && c.scalar_type() == caches[0].scalar_type(),
-                "decode_forward: caches must be contiguous [blocks, page, R+P] float32/bfloat16/float8_e4m3fn, "
-                "all alike");
+                "decode_forward: caches must be contiguous [blocks, page, ", D, "] (R+P, + the index key with DSA) "
+                "float32/bfloat16/float8_e4m3fn, all alike");
   }
   b.page = caches.empty() ? 1 : caches[0].size(1);
   const int64_t num_blocks = caches.empty() ? 0 : caches[0].size(0);

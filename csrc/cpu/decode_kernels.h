@@ -83,6 +83,17 @@ struct KernelTable {
   void (*attention)(const float* q_t, int64_t H, int64_t h0, int64_t h1, int64_t R, int64_t P, const void* cache,
                     int ctype, int64_t page, const int32_t* table, int64_t visible, float scale, float* out_t,
                     float* scratch);
+  // DeepSeek-V3.2 sparse attention (dsa_cpu.cpp). The cache rows are `ld` wide: [c_kv (R) | k_pe (P) | index key].
+  // index_scores: out[j - first] = sum_h w[h] * relu(q_h . ikey_j * scale) for the keys first <= j < first + n of
+  // one query (q [heads, Di] fp32, w [heads]), ikey_j at offset `off` of key j's row (through `table`); heads in
+  // order, so each score is the same whatever range it is computed in.
+  void (*index_scores)(const float* q, const float* w, int64_t heads, int64_t Di, const void* cache, int ctype,
+                       int64_t ld, int64_t off, int64_t page, const int32_t* table, int64_t first, int64_t n,
+                       float scale, float* out);
+  // attention over the n chosen keys at cache rows slots[0..n) (ascending positions), otherwise as `attention`.
+  void (*sparse_attention)(const float* q_t, int64_t h0, int64_t h1, int64_t R, int64_t P, const void* cache,
+                           int ctype, int64_t ld, const int32_t* slots, int64_t n, float scale, float* out_t,
+                           float* scratch);
 };
 
 // Output granularity of a layout (n0 of a split must be a multiple of it), and gemm's scratch need.

@@ -733,19 +733,49 @@ void sigmoid(const float* x, int64_t n, float* y) {
 }
 
 // ---- attention ----------------------------------------------------------------------------------
+// Where the keys of one attention call live: cache rows `ld` elements apart, visited in order. PagedKeys: the
+// positions 0, 1, ... of a row through its block table (a running (block, offset) counter, no division per
+// key); SlotKeys: the rows a sparse (DSA) query chose, ascending positions.
+// prefetch(): the keys a few steps ahead, where the hardware cannot guess them (SlotKeys: rows scattered over the
+// context; without it each of the 2048 chosen rows costs a cache miss in every pass over them).
+struct PagedKeys {
+  const int32_t* table;
+  int64_t page;
+  int64_t blk = 0, off = 0;
+  inline int64_t next() {
+    if (off == page) { off = 0; ++blk; }
+    return static_cast<int64_t>(table[blk]) * page + off++;
+  }
+  template <typename CT>
+  inline void prefetch(const CT*, int64_t, int64_t, int64_t) const {}
+};
+struct SlotKeys {
+  static constexpr int64_t kAhead = 6;
+  const int32_t* slots;
+  int64_t n;
+  int64_t i = 0;
+  inline int64_t next() { return slots[i++]; }
+  // elements [r0, r0 + len) of the row kAhead keys ahead
+  template <typename CT>
+  inline void prefetch(const CT* cache, int64_t ld, int64_t r0, int64_t len) const {
+    if (i + kAhead >= n) return;
+    const char* p = reinterpret_cast<const char*>(cache + slots[i + kAhead] * ld + r0);
+    for (int64_t b = 0; b < len * static_cast<int64_t>(sizeof(CT)); b += 64) __builtin_prefetch(p + b);
+  }
+};
+
 // o[hh, r0 .. r0+rlen) = inv[hh] * sum_j p[hh, j] * c_kv_j[r0 ..] for NH heads (probabilities p with row
 // stride `visible`), accumulated in registers over the keys in order.
-template <typename CT, int NH>
-inline void attn_out_tile(const float* p, int64_t visible, const CT* cache, const int32_t* table, int64_t page,
-                          int64_t D, int64_t r0, int64_t rlen, float* o, int64_t R, const float* inv) {
+template <typename CT, int NH, typename Keys>
+inline void attn_out_tile(const float* p, int64_t visible, const CT* cache, Keys keys, int64_t ld, int64_t r0,
+                          int64_t rlen, float* o, int64_t R, const float* inv) {
   VF acc[NH][4];
   for (int hh = 0; hh < NH; ++hh)
     for (int c = 0; c < 4; ++c) acc[hh][c] = vzero();
   const int nc = static_cast<int>((rlen + kLanes - 1) / kLanes);
-  int64_t blk = 0, off = 0;   // key j lives at (table[blk], off): a running counter, no division per key
-  for (int64_t j = 0; j < visible; ++j, ++off) {
-    if (off == page) { off = 0; ++blk; }
-    const CT* key = cache + (static_cast<int64_t>(table[blk]) * page + off) * D + r0;
+  for (int64_t j = 0; j < visible; ++j) {
+    keys.prefetch(cache, ld, r0, rlen);
+    const CT* key = cache + keys.next() * ld + r0;
     VF k[4];
     for (int c = 0; c < 4; ++c) k[c] = c < nc ? wload(key + 16 * c, rlen - 16 * c) : vzero();
     for (int hh = 0; hh < NH; ++hh) {
@@ -765,19 +795,18 @@ inline void attn_out_tile(const float* p, int64_t visible, const CT* cache, cons
 
 // s[hh, j] = q_hh . k_j * scale for NH heads (queries with row stride D) and keys j < visible, in order.
 // DC > 0: D is DC chunks of 16 (the last possibly partial) and the queries stay in registers; DC = 0: any D.
-template <typename CT, int NH, int DC>
-inline void attn_scores_tile(const float* q, int64_t D, const CT* cache, const int32_t* table, int64_t page,
-                             int64_t visible, float scale, float* s) {
+template <typename CT, int NH, int DC, typename Keys>
+inline void attn_scores_tile(const float* q, int64_t D, const CT* cache, Keys keys, int64_t ld, int64_t visible,
+                             float scale, float* s) {
   constexpr int kChunks = DC > 0 ? DC : 1;
   VF qv[NH][kChunks];
   if (DC > 0) {
     for (int hh = 0; hh < NH; ++hh)
       for (int c = 0; c < kChunks; ++c) qv[hh][c] = wload(q + hh * D + 16 * c, D - 16 * c);
   }
-  int64_t blk = 0, off = 0;
-  for (int64_t j = 0; j < visible; ++j, ++off) {
-    if (off == page) { off = 0; ++blk; }
-    const CT* key = cache + (static_cast<int64_t>(table[blk]) * page + off) * D;
+  for (int64_t j = 0; j < visible; ++j) {
+    keys.prefetch(cache, ld, 0, D);
+    const CT* key = cache + keys.next() * ld;
     VF acc[4] = {vzero(), vzero(), vzero(), vzero()};
     if (DC > 0) {
       for (int c = 0; c < kChunks; ++c) {
@@ -796,27 +825,25 @@ inline void attn_scores_tile(const float* q, int64_t D, const CT* cache, const i
   }
 }
 
-template <typename CT, int NH>
-inline void attn_scores(const float* q, int64_t D, const CT* cache, const int32_t* table, int64_t page,
-                        int64_t visible, float scale, float* s) {
+template <typename CT, int NH, typename Keys>
+inline void attn_scores(const float* q, int64_t D, const CT* cache, Keys keys, int64_t ld, int64_t visible,
+                        float scale, float* s) {
   switch ((D + kLanes - 1) / kLanes) {
-    case 1: return attn_scores_tile<CT, NH, 1>(q, D, cache, table, page, visible, scale, s);
-    case 2: return attn_scores_tile<CT, NH, 2>(q, D, cache, table, page, visible, scale, s);
-    case 3: return attn_scores_tile<CT, NH, 3>(q, D, cache, table, page, visible, scale, s);
-    case 4: return attn_scores_tile<CT, NH, 4>(q, D, cache, table, page, visible, scale, s);
-    case 5: return attn_scores_tile<CT, NH, 5>(q, D, cache, table, page, visible, scale, s);
-    case 6: return attn_scores_tile<CT, NH, 6>(q, D, cache, table, page, visible, scale, s);
-    default: return attn_scores_tile<CT, NH, 0>(q, D, cache, table, page, visible, scale, s);
+    case 1: return attn_scores_tile<CT, NH, 1>(q, D, cache, keys, ld, visible, scale, s);
+    case 2: return attn_scores_tile<CT, NH, 2>(q, D, cache, keys, ld, visible, scale, s);
+    case 3: return attn_scores_tile<CT, NH, 3>(q, D, cache, keys, ld, visible, scale, s);
+    case 4: return attn_scores_tile<CT, NH, 4>(q, D, cache, keys, ld, visible, scale, s);
+    case 5: return attn_scores_tile<CT, NH, 5>(q, D, cache, keys, ld, visible, scale, s);
+    case 6: return attn_scores_tile<CT, NH, 6>(q, D, cache, keys, ld, visible, scale, s);
+    default: return attn_scores_tile<CT, NH, 0>(q, D, cache, keys, ld, visible, scale, s);
   }
 }
 
 // vscale multiplies every key and value the cache holds (256 for e4m3 entries read as value / 256).
-template <typename CT>
-void attention_typed(const float* qt, int64_t H, int64_t h0, int64_t h1, int64_t R, int64_t P, const CT* cache,
-                     int64_t page, const int32_t* table, int64_t visible, float scale, float* ot, float* scores,
-                     float vscale = 1.0f) {
+template <typename CT, typename Keys>
+void attention_typed(const float* qt, int64_t h0, int64_t h1, int64_t R, int64_t P, const CT* cache, Keys keys,
+                     int64_t ld, int64_t visible, float scale, float* ot, float* scores, float vscale = 1.0f) {
   const int64_t D = R + P;
-  (void)H;
   if (visible <= 0) {
     for (int64_t d = h0 * R; d < h1 * R; ++d) ot[d] = 0.f;
     return;
@@ -828,10 +855,10 @@ void attention_typed(const float* qt, int64_t H, int64_t h0, int64_t h1, int64_t
     float* sh = scores + g * visible;
     const float* qh = qt + (h0 + g) * D;
     switch (nh - g < 4 ? nh - g : 4) {
-      case 4: attn_scores<CT, 4>(qh, D, cache, table, page, visible, scale, sh); break;
-      case 3: attn_scores<CT, 3>(qh, D, cache, table, page, visible, scale, sh); break;
-      case 2: attn_scores<CT, 2>(qh, D, cache, table, page, visible, scale, sh); break;
-      default: attn_scores<CT, 1>(qh, D, cache, table, page, visible, scale, sh); break;
+      case 4: attn_scores<CT, 4>(qh, D, cache, keys, ld, visible, scale, sh); break;
+      case 3: attn_scores<CT, 3>(qh, D, cache, keys, ld, visible, scale, sh); break;
+      case 2: attn_scores<CT, 2>(qh, D, cache, keys, ld, visible, scale, sh); break;
+      default: attn_scores<CT, 1>(qh, D, cache, keys, ld, visible, scale, sh); break;
     }
   }
   for (int64_t h = 0; h < nh; ++h) {
@@ -864,31 +891,101 @@ void attention_typed(const float* qt, int64_t H, int64_t h0, int64_t h1, int64_t
       float* o = ot + (h0 + g) * R + r0;
       const float* sh = scores + g * visible;
       switch (nh - g < 4 ? nh - g : 4) {
-        case 4: attn_out_tile<CT, 4>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + g); break;
-        case 3: attn_out_tile<CT, 3>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + g); break;
-        case 2: attn_out_tile<CT, 2>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + g); break;
-        default: attn_out_tile<CT, 1>(sh, visible, cache, table, page, D, r0, rlen, o, R, inv + g); break;
+        case 4: attn_out_tile<CT, 4>(sh, visible, cache, keys, ld, r0, rlen, o, R, inv + g); break;
+        case 3: attn_out_tile<CT, 3>(sh, visible, cache, keys, ld, r0, rlen, o, R, inv + g); break;
+        case 2: attn_out_tile<CT, 2>(sh, visible, cache, keys, ld, r0, rlen, o, R, inv + g); break;
+        default: attn_out_tile<CT, 1>(sh, visible, cache, keys, ld, r0, rlen, o, R, inv + g); break;
       }
     }
+  }
+}
+
+// The cache's element type, and the per-tensor factor of its values (e4m3 entries are read as value / 256).
+template <typename F>
+inline void with_cache(const void* cache, int ctype, F&& f) {
+  if (ctype == kBF16) {
+    f(static_cast<const uint16_t*>(cache), 1.0f);
+  } else if (ctype == kFP8) {   // e4m3 entries, per-tensor scale 1: value = e4m3
+    f(static_cast<const uint8_t*>(cache), 256.0f);
+  } else {
+    f(static_cast<const float*>(cache), 1.0f);
   }
 }
 
 void attention(const float* q_t, int64_t H, int64_t h0, int64_t h1, int64_t R, int64_t P, const void* cache,
                int ctype, int64_t page, const int32_t* table, int64_t visible, float scale, float* out_t,
                float* scratch) {
-  if (ctype == kBF16) {
-    attention_typed(q_t, H, h0, h1, R, P, static_cast<const uint16_t*>(cache), page, table, visible, scale, out_t,
-                    scratch);
-  } else if (ctype == kFP8) {   // e4m3 entries, per-tensor scale 1: value = e4m3
-    attention_typed(q_t, H, h0, h1, R, P, static_cast<const uint8_t*>(cache), page, table, visible, scale * 256.0f,
-                    out_t, scratch, 256.0f);
-  } else {
-    attention_typed(q_t, H, h0, h1, R, P, static_cast<const float*>(cache), page, table, visible, scale, out_t,
-                    scratch);
+  (void)H;
+  with_cache(cache, ctype, [&](const auto* c, float v) {
+    attention_typed(q_t, h0, h1, R, P, c, PagedKeys{table, page}, R + P, visible, scale * v, out_t, scratch, v);
+  });
+}
+
+void sparse_attention(const float* q_t, int64_t h0, int64_t h1, int64_t R, int64_t P, const void* cache, int ctype,
+                      int64_t ld, const int32_t* slots, int64_t n, float scale, float* out_t, float* scratch) {
+  with_cache(cache, ctype, [&](const auto* c, float v) {
+    attention_typed(q_t, h0, h1, R, P, c, SlotKeys{slots, n}, ld, n, scale * v, out_t, scratch, v);
+  });
+}
+
+// ---- DSA indexer scores -----------------------------------------------------------------------------
+// out[j] = sum_h w[h] * relu(q_h . k_j * scale), heads in ascending order, each dot one FMA chain per lane over
+// Di and a fixed tree over the lanes (4 heads per tree). DC > 0: Di is DC chunks of 16 and the key stays in
+// registers; DC = 0: any Di.
+template <typename CT, int DC>
+void index_scores_tile(const float* q, const float* w, int64_t heads, int64_t Di, const CT* cache, int64_t ld,
+                       int64_t off, PagedKeys keys, int64_t visible, float scale, float* out) {
+  constexpr int kChunks = DC > 0 ? DC : 1;
+  for (int64_t j = 0; j < visible; ++j) {
+    const CT* key = cache + keys.next() * ld + off;
+    VF kv[kChunks];
+    if (DC > 0)
+      for (int c = 0; c < kChunks; ++c) kv[c] = wload(key + 16 * c, Di - 16 * c);
+    float acc = 0.f;
+    for (int64_t h = 0; h < heads; h += 4) {
+      const int64_t nh = heads - h < 4 ? heads - h : 4;
+      VF a[4] = {vzero(), vzero(), vzero(), vzero()};
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const float* qh = q + (h + hh) * Di;
+        if (DC > 0) {
+          for (int c = 0; c < kChunks; ++c) a[hh] = vfma(wload(qh + 16 * c, Di - 16 * c), kv[c], a[hh]);
+        } else {
+          for (int64_t d = 0; d < Di; d += kLanes) a[hh] = vfma(wload(qh + d, Di - d), wload(key + d, Di - d), a[hh]);
+        }
+      }
+      float r[4];
+      vhsum4(a[0], a[1], a[2], a[3], r);
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const float v = r[hh] * scale;
+        acc += w[h + hh] * (v > 0.f ? v : 0.f);
+      }
+    }
+    out[j] = acc;
   }
 }
 
-const KernelTable kTable = {MTP_ISA_NAME, &gemm, &rms_norm, &silu_mul, &sigmoid, &attention};
+template <typename CT>
+void index_scores_typed(const float* q, const float* w, int64_t heads, int64_t Di, const CT* cache, int64_t ld,
+                        int64_t off, PagedKeys keys, int64_t visible, float scale, float* out) {
+  switch ((Di + kLanes - 1) / kLanes) {
+    case 1: return index_scores_tile<CT, 1>(q, w, heads, Di, cache, ld, off, keys, visible, scale, out);
+    case 2: return index_scores_tile<CT, 2>(q, w, heads, Di, cache, ld, off, keys, visible, scale, out);
+    case 4: return index_scores_tile<CT, 4>(q, w, heads, Di, cache, ld, off, keys, visible, scale, out);
+    case 8: return index_scores_tile<CT, 8>(q, w, heads, Di, cache, ld, off, keys, visible, scale, out);
+    default: return index_scores_tile<CT, 0>(q, w, heads, Di, cache, ld, off, keys, visible, scale, out);
+  }
+}
+
+void index_scores(const float* q, const float* w, int64_t heads, int64_t Di, const void* cache, int ctype, int64_t ld,
+                  int64_t off, int64_t page, const int32_t* table, int64_t first, int64_t n, float scale, float* out) {
+  const PagedKeys keys{table, page, first / page, first % page};
+  with_cache(cache, ctype, [&](const auto* c, float v) {
+    index_scores_typed(q, w, heads, Di, c, ld, off, keys, n, scale * v, out);
+  });
+}
+
+const KernelTable kTable = {MTP_ISA_NAME, &gemm,           &rms_norm,        &silu_mul,
+                            &sigmoid,     &attention,      &index_scores,    &sparse_attention};
 
 }  // namespace
 

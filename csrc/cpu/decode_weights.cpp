@@ -166,6 +166,14 @@ DecodeWeights::DecodeWeights(c10::Dict<std::string, at::Tensor> tensors, c10::Di
   d_.groups = I("groups"); d_.topk_groups = I("topk_groups"); d_.norm_topk = I("norm_topk") != 0;
   d_.interleave = I("interleave") != 0; d_.vocab = I("vocab"); d_.num_main = I("num_main");
   d_.eps = F("eps"); d_.scale = F("softmax_scale"); d_.routed_scale = F("routed_scale");
+  d_.idx_heads = get_int(ints_, "dims.index_heads", 0);
+  d_.idx_dim = get_int(ints_, "dims.index_dim", 0);
+  d_.idx_topk = get_int(ints_, "dims.index_topk", 0);
+  if (d_.idx_topk) {
+    d_.idx_eps = F("index_eps");
+    TORCH_CHECK(d_.idx_heads > 0 && d_.idx_dim >= d_.P && d_.idx_dim % 2 == 0 && d_.idx_dim <= 512 && d_.q_lora > 0,
+                "DecodeWeights: DSA needs index heads > 0, an even index dim in [rope dim, 512] and q_lora");
+  }
   use_amx_ = get_int(ints_, "dims.amx", 0) != 0;
   TORCH_CHECK(!use_amx_ || cpu::amx_usable(), "DecodeWeights: dims.amx set but this CPU / kernel has no AMX");
   use_dot_ = get_int(ints_, "dims.bf16_dot", 0) != 0;
@@ -221,6 +229,18 @@ DecodeWeights::DecodeWeights(c10::Dict<std::string, at::Tensor> tensors, c10::Di
     TORCH_CHECK(!w.eh_proj.defined() || (w.eh_proj.n == d_.H && w.eh_proj.k == 2 * d_.H && w.enorm.defined() &&
                                          w.hnorm.defined()),
                 "DecodeWeights: ", p, "MTP prologue shapes");
+    if (d_.idx_topk) {
+      const int64_t Di = d_.idx_dim;
+      w.idx_q = mat(p + "idx_q", true);
+      w.idx_k = mat(p + "idx_k", true);
+      w.idx_w = mat(p + "idx_w", true);
+      w.idx_norm = norm(p + "idx_norm", Di, true);
+      w.idx_bias = norm(p + "idx_bias", Di, true);
+      TORCH_CHECK(w.idx_q.n == d_.idx_heads * Di && w.idx_q.k == d_.q_lora && w.idx_k.n == Di && w.idx_k.k == d_.H &&
+                      w.idx_w.n == d_.idx_heads && w.idx_w.k == d_.H,
+                  "DecodeWeights: ", p, "indexer shapes (wq_b [heads * Di, q_lora], wk [Di, H], weights_proj "
+                  "[heads, H])");
+    }
     w.mlp = ffn(p + "mlp");
     const int64_t E = get_int(ints_, p + "num_experts", 0);
     if (!w.mlp.defined()) {
@@ -251,6 +271,9 @@ std::string DecodeWeights::summary() const {
                                                                       : "weights in place")
     << ", attention " << (l0.absorbed() ? "pre-absorbed" : "absorbed at run time") << ", "
     << fmt_name((l0.mlp.defined() ? l0.mlp.down : l0.q_in).fmt) << " weights, " << bytes_ / (1 << 20) << " MiB";
+  if (d_.idx_topk)
+    s << ", sparse attention (DSA: " << d_.idx_heads << " indexer heads of " << d_.idx_dim << ", top-" << d_.idx_topk
+      << ")";
   if (num_amx_) s << ", " << num_amx_ << " matrices on AMX tiles (bf16 activations)";
   if (num_dot_) s << ", " << num_dot_ << " matrices on AVX512-BF16 dot products (bf16 activations)";
   return s.str();

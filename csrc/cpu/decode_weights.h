@@ -6,8 +6,9 @@
 //   ints["<mat>.layout" | ".fmt" | ".n" | ".k" | ".ld" | ".scale_r0"], floats["<mat>.gscale2"]
 //   tensors["<vec>"] for norms, ints["dims.<name>"], floats["params.<name>"],
 //   layer l's entries under "layers.<l>." (q_in, kv_a, q_b, uk.<h>, uv.<h>, o, mlp.gate/up/down,
-//   router, experts.<e>.gate/up/down, shared.gate/up/down, eh_proj; norms in_norm, q_a_norm, kv_norm,
-//   post_norm, enorm, hnorm, head_norm; router_bias) and the model's embed, final_norm, lm_head.
+//   router, experts.<e>.gate/up/down, shared.gate/up/down, eh_proj, DSA's idx_q/idx_k/idx_w; norms in_norm,
+//   q_a_norm, kv_norm, post_norm, enorm, hnorm, head_norm, idx_norm, idx_bias; router_bias) and the model's
+//   embed, final_norm, lm_head.
 // The tensors are kept alive here (views of the model's own parameters: no copy is made), so the forward
 // takes only the batch.
 #pragma once
@@ -47,7 +48,12 @@ struct LayerW {
   const float* router_bias = nullptr;
   FFNW mlp, shared;
   std::vector<FFNW> experts;
+  // DeepSeek-V3.2's lightning indexer (dsa_cpu.cpp): wq_b (q latent -> heads x Di), wk (h -> Di), weights_proj
+  // (h -> heads), k_norm's LayerNorm weight and bias
+  cpu::Mat idx_q, idx_k, idx_w;
+  NormW idx_norm, idx_bias;
   bool absorbed() const { return uk.empty(); }
+  bool dsa() const { return idx_k.defined(); }
 };
 
 struct DecodeDims {
@@ -55,6 +61,11 @@ struct DecodeDims {
           topk_groups = 1, vocab = 0, num_main = 0;
   bool norm_topk = false, interleave = false;
   float eps = 1e-6f, scale = 1.f, routed_scale = 1.f;
+  // DSA (0 when the model has none): indexer heads, head dim, keys each query attends to, k_norm's eps
+  int64_t idx_heads = 0, idx_dim = 0, idx_topk = 0;
+  float idx_eps = 1e-6f;
+  // elements per token of a layer's cache row: [c_kv | k_pe] (+ the index key with DSA)
+  int64_t cache_row() const { return R + P + (idx_topk ? idx_dim : 0); }
 };
 
 // One matrix `name` of the dictionaries (undefined when absent and not required), checked; adds the bytes it

@@ -91,6 +91,8 @@ def step_bytes(model: torch.nn.Module, wb: WeightBytes, K: int, mode: str, al: f
     cfg = model.config
     kv_elt = next(model.parameters()).element_size()
     kv_per_layer = context_len * cfg.kv_cache_dim * kv_elt
+    if cfg.is_dsa:   # every index key, then the latents of the index_topk chosen keys only
+        kv_per_layer = (context_len * cfg.index_head_dim + min(context_len, cfg.index_topk) * cfg.latent_dim) * kv_elt
     ex = lambda T: distinct_experts(wb.n_routed, wb.top_k, T)  # noqa: E731
     main = wb.main_dense + wb.head + sum(e * ex(K + 1) for e in wb.main_expert.values())
     main_kv = cfg.num_hidden_layers * kv_per_layer

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+_DSA_DEFAULTS = {"index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}
 _REQUIRED_INT = (
     "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "intermediate_size", "vocab_size",
@@ -53,6 +54,10 @@ class ModelConfig:
     eos_token_id: Any = None
     torch_dtype: Optional[str] = None
     quantization_config: Optional[dict] = None
+    # DeepSeek-V3.2's sparse attention (DSA): set on a `deepseek_v32` checkpoint, None on DeepSeek-V3
+    index_topk: Optional[int] = None
+    index_head_dim: Optional[int] = None
+    index_n_heads: Optional[int] = None
     raw: dict = field(default_factory=dict, repr=False)
 
     # ---- derived -------------------------------------------------------------------------
@@ -61,9 +66,21 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def kv_cache_dim(self) -> int:
-        """Numbers cached per token per layer: the latent c_kv plus the shared rope key."""
+    def is_dsa(self) -> bool:
+        """DeepSeek Sparse Attention (DeepSeek-V3.2): every layer has a lightning indexer that picks the
+        index_topk keys each query attends to (model/dsa.py)."""
+        return self.index_topk is not None
+
+    @property
+    def latent_dim(self) -> int:
+        """The MLA latent row: c_kv plus the shared rope key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Numbers cached per token per layer: the latent c_kv plus the shared rope key, then (DSA) the
+        indexer's key, in one row so that paging, rewind, prefix caching and block copies cover both."""
+        return self.latent_dim + (self.index_head_dim if self.is_dsa else 0)
 
     @property
     def num_mtp_modules(self) -> int:
@@ -103,6 +120,9 @@ class ModelConfig:
         for name in cls.__dataclass_fields__:
             if name != "raw" and name in d:
                 kwargs[name] = d[name]
+        if d.get("model_type") == "deepseek_v32" or any(k in d for k in _DSA_DEFAULTS):
+            for k, v in _DSA_DEFAULTS.items():    # transformers' DeepseekV32Config defaults
+                kwargs.setdefault(k, v)
         rp = d.get("rope_parameters")
         if isinstance(rp, dict):   # transformers 5.x writes rope_theta / YaRN here
             if "rope_theta" in rp:
@@ -187,6 +207,23 @@ class ModelConfig:
                 for k in ("factor", "original_max_position_embeddings"):
                     if k not in rs:
                         bad(f"rope_scaling (yarn) is missing {k}")
+        if self.is_dsa:
+            for k in _DSA_DEFAULTS:
+                v = getattr(self, k)
+                if not is_int(v) or v <= 0:
+                    bad(f"{k} must be a positive integer, got {v!r}")
+            if self.q_lora_rank is None:
+                bad("a deepseek_v32 (sparse attention) model needs q_lora_rank: its indexer reads the query latent")
+            if self.index_head_dim < self.qk_rope_head_dim or self.index_head_dim % 2:
+                bad(f"index_head_dim={self.index_head_dim} must be even and at least qk_rope_head_dim="
+                    f"{self.qk_rope_head_dim} (the indexer ropes its first qk_rope_head_dim dims)")
+        mlp_types = self.raw.get("mlp_layer_types")
+        if mlp_types is not None:
+            want = ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
+            if list(mlp_types) != want:
+                bad(f"mlp_layer_types {list(mlp_types)} disagrees with first_k_dense_replace="
+                    f"{self.first_k_dense_replace} / moe_layer_freq={self.moe_layer_freq} ({want}); only that "
+                    "pattern is supported")
         if self.tie_word_embeddings:
             bad("tie_word_embeddings=true is not a DeepSeek-V3 layout (lm_head is separate)")
 

@@ -33,6 +33,9 @@ def check_model_shardable(cfg: ModelConfig, par: ParallelState) -> None:
         if parts > 1 and value % parts:
             raise ValueError(f"{what} = {value} is not divisible by {flag} = {parts}; choose a size that divides it")
 
+    if cfg.is_dsa and par.world_size > 1:
+        raise ValueError("DeepSeek-V3.2 sparse attention (model_type deepseek_v32) runs in one process for now; "
+                         "drop --tp_size / --moe_ep_size (torchrun with one process)")
     need(cfg.num_attention_heads, par.tp_size, "num_attention_heads", "--tp_size")
     need(cfg.intermediate_size, par.tp_size, "intermediate_size", "--tp_size")
     if cfg.n_routed_experts:

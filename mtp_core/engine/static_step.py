@@ -64,6 +64,8 @@ def default_batch_sizes(max_batch_size: int) -> list[int]:
 def static_step_unsupported(model: DeepseekV3ForCausalLM, mode: Optional[str], K: int,
                             confidence_threshold: float = 0.0) -> Optional[str]:
     """Why this model / drafting mode cannot run the static step (None when it can)."""
+    if model.config.is_dsa:
+        return "DeepSeek-V3.2 sparse attention selects keys per query from host metadata; it runs eagerly"
     if K and mode != "eagle":
         return "the static step drafts in MTP Eagle mode only (Vanilla runs eagerly)"
     if K and confidence_threshold > 0:
@@ -270,6 +272,12 @@ def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMC
                              relaxed if relaxed and relaxed[0] > 1 and relaxed[1] > 0 else None,
                              torch.device(cfg.device))
     use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
+    if use_native_step and model.config.is_dsa and isinstance(path, NativeDecoder):
+        # mtp_core::mtp_step reads [c_kv | k_pe] cache rows; a V3.2 row adds the index key, so its steps run the
+        # general path (one native decode_forward per target / draft forward, DSA inside)
+        logging.getLogger("mtp.engine").info("native one-call step off: DeepSeek-V3.2 sparse attention runs "
+                                             "through decode_forward per forward")
+        use_native_step = False
     native = (NativeStep(model, path, caches, K, relaxed, fixed_counts=fixed_counts, vanilla=mode == "vanilla",
                          confidence=confidence)
               if use_native_step and graphs is None and not overlap and not injected_drafter

@@ -53,20 +53,29 @@ def _route(h: torch.Tensor, layer, d: dict, routed_scale: float):
 
 
 def _attention(q: torch.Tensor, cache: torch.Tensor, R: int, query_start: list[int], tables: torch.Tensor,
-               seqlens: list[int], scale: float) -> torch.Tensor:
-    """q [T, nh, R+P] -> [T, nh, R]."""
-    page = cache.shape[1]
+               seqlens: list[int], scale: float, dsa=None) -> torch.Tensor:
+    """q [T, nh, R+P] -> [T, nh, R]. dsa: (indexer queries [T, heads, Di], head weights [T, heads], top-k): each
+    query attends only to its top-k visible keys by the indexer's scores (model/dsa.py, ties to the lower
+    position)."""
+    from mtp_core.model.dsa import index_scores, select_topk
+    page, D = cache.shape[1], q.shape[-1]
     out = q.new_zeros(q.shape[0], q.shape[1], R)
     for b in range(len(seqlens)):
         nq, L = query_start[b + 1] - query_start[b], seqlens[b]
         pos = torch.arange(L)
-        keys = cache[tables[b, pos // page].long(), pos % page].float()          # [L, R+P]
+        rows = cache[tables[b, pos // page].long(), pos % page].float()          # [L, R+P (+Di)]
+        keys = rows[:, :D]
         for i in range(nq):
             t, vis = query_start[b] + i, L - nq + i + 1
             if vis <= 0:
                 continue
-            p = torch.softmax((q[t] @ keys[:vis].T) * scale, dim=-1)            # [nh, vis]
-            out[t] = p @ keys[:vis, :R]
+            chosen = torch.arange(vis)
+            if dsa is not None:
+                iq, iw, topk = dsa
+                s = index_scores(iq[t][None], iw[t][None], rows[:vis, D:])[0]         # [vis]
+                chosen = select_topk(s, torch.ones(vis, dtype=torch.bool), topk).nonzero()[:, 0]
+            p = torch.softmax((q[t] @ keys[chosen].T) * scale, dim=-1)          # [nh, chosen]
+            out[t] = p @ keys[chosen, :R]
     return out
 
 
@@ -89,7 +98,8 @@ def decode_forward_ref(weights, first_layer: int, num_layers: int, ids, mtp_hidd
         h = _norm(x, layer.in_norm, eps)
         q = _lin(h, layer.q_in, acts)
         if d["q_lora"]:
-            q = _lin(_norm(q, layer.q_a_norm, eps), layer.q_b, acts)
+            q_c = _norm(q, layer.q_a_norm, eps)
+            q = _lin(q_c, layer.q_b, acts)
         kv_raw = _lin(h, layer.kv_a, acts)
         absorbed = not layer.uk
         q = q.reshape(T, nh, -1)
@@ -100,8 +110,17 @@ def decode_forward_ref(weights, first_layer: int, num_layers: int, ids, mtp_hidd
             q_lat = torch.stack([_lin(q[:, hh, :dn], layer.uk[hh], acts) for hh in range(nh)], 1)   # [T, nh, R]
         q = torch.cat([q_lat, q_pe], -1)
         kv = torch.cat([_norm(kv_raw[:, :R], layer.kv_norm, eps), rope_ref(kv_raw[:, R:], cos, sin, inter)], -1)
+        dsa = None
+        if layer.idx_k is not None:   # DeepSeek-V3.2: the index key joins the cache row; the indexer's queries
+            Di, nih = d["index_dim"], d["index_heads"]
+            half = lambda x: torch.cat([rope_ref(x[..., :P], cos, sin, False), x[..., P:]], -1)  # noqa: E731
+            k = F.layer_norm(_lin(h, layer.idx_k, acts), (Di,), layer.idx_norm.float(), layer.idx_bias.float(),
+                             prm["index_eps"])
+            kv = torch.cat([kv, half(k)], -1)
+            iq = half(_lin(q_c, layer.idx_q, acts).view(T, nih, Di))
+            dsa = (iq, _lin(h, layer.idx_w, acts) * nih ** -0.5, d["index_topk"])
         write_slots(cache, slot_mapping, kv)
-        o = _attention(q, cache, R, qs, block_tables, lens, scale)                  # [T, nh, R]
+        o = _attention(q, cache, R, qs, block_tables, lens, scale, dsa)             # [T, nh, R]
         if not absorbed:
             o = torch.stack([_lin(o[:, hh], layer.uv[hh], acts) for hh in range(nh)], 1)   # [T, nh, dv]
         x = x + _lin(o.reshape(T, -1), layer.o, acts)

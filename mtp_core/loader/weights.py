@@ -25,6 +25,11 @@ _IGNORABLE = (
     re.compile(r".*rotary_emb\.inv_freq$"),
 )
 
+# the router, and DeepSeek-V3.2's indexer head weights and key norm (transformers' _keep_in_fp32_modules,
+# DeepSeek's own inference code): small, and they decide selections
+_KEEP_FP32 = ("e_score_correction_bias", "gate.weight", "indexer.weights_proj.weight", "indexer.k_norm.weight",
+              "indexer.k_norm.bias")
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -139,7 +144,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         names = parts[name]
         num_tensors += len(names)
         shape = tuple(expected[name].shape)
-        keep_fp32 = name.endswith("e_score_correction_bias") or name.endswith("gate.weight")
+        keep_fp32 = name.endswith(_KEEP_FP32)
         target = torch.float32 if keep_fp32 else torch_dtype
         if quant is not None and name in linears:
             sub = {t: tensors[t] for t in names}   # dequantize() also refuses an FP8/FP4 weight without scales

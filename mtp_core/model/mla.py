@@ -19,6 +19,7 @@ from mtp_core import kernels
 from mtp_core.config import ModelConfig
 from mtp_core.kv_cache.mla_cache import write_slots
 from mtp_core.model.attention_metadata import AttentionMetadata
+from mtp_core.model.dsa import Indexer, index_scores, select_topk
 from mtp_core.model.layers import RMSNorm
 from mtp_core.model.rope import RotaryEmbedding
 
@@ -53,6 +54,8 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                                    bias=False)
         self.o_proj = nn.Linear(self.num_heads * cfg.v_head_dim, h, bias=bias)
+        # DeepSeek-V3.2: the lightning indexer choosing the keys each query attends to (model/dsa.py)
+        self.indexer = Indexer(cfg) if cfg.is_dsa else None
         self.decode_weights: tuple | None = None   # set by fuse_for_decode()
 
     # ---- serving-time weight fusion --------------------------------------------------------
@@ -70,8 +73,8 @@ class MLAttention(nn.Module):
         as DeepSeek-V3, where absorbing at run time is cheaper)."""
         linears = [self.kv_a_proj_with_mqa, self.kv_b_proj, self.o_proj,
                    *([self.q_a_proj, self.q_b_proj] if self.q_lora_rank is not None else [self.q_proj])]
-        if any(type(m) is not nn.Linear for m in linears) or self.o_proj.bias is not None:
-            return False
+        if any(type(m) is not nn.Linear for m in linears) or self.o_proj.bias is not None or self.indexer is not None:
+            return False   # (sparse attention reads the latents of its own selection: no fused dense decode)
         nh, dn, dr, r = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
         q_w = self.q_proj.weight if self.q_lora_rank is None else self.q_b_proj.weight   # [nh*(dn+dr), q_in]
         absorbed = nh * (r + dr) * q_w.shape[1] + self.o_proj.weight.shape[0] * nh * r
@@ -97,13 +100,17 @@ class MLAttention(nn.Module):
         return True
 
     # ---- projections ---------------------------------------------------------------------
-    def _project(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [..., T, hidden] -> q_nope [..., T, H, dn], q_pe [..., T, H, dr] (roped), kv [..., T, r+dr]."""
+    def _project(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                 q_latent: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [..., T, hidden] -> q_nope [..., T, H, dn], q_pe [..., T, H, dr] (roped), kv [..., T, r+dr];
+        q_latent (a list): receives q_a_layernorm(q_a_proj(x)) [..., T, q_lora_rank], the indexer's input."""
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_c = self.q_a_layernorm(self.q_a_proj(x))
+            if q_latent is not None:
+                q_latent.append(q_c)
+            q = self.q_b_proj(q_c)
         q = q.view(*x.shape[:-1], self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q_pe = rope.apply(q_pe, cos, sin, has_heads=True)
@@ -114,6 +121,15 @@ class MLAttention(nn.Module):
         """x [..., T, hidden] -> the cached latent [..., T, r+dr] (normed c_kv | roped k_pe)."""
         ckv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return torch.cat([self.kv_a_layernorm(ckv), rope.apply(k_pe, cos, sin, has_heads=False)], dim=-1)
+
+    def cache_row(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+                  ) -> torch.Tensor:
+        """x [..., T, hidden] -> what the paged cache holds per token [..., T, r+dr (+ Di)]: the latent, then
+        (DSA) the indexer's key."""
+        kv = self.project_kv(x, rope, cos, sin)
+        if self.indexer is None:
+            return kv
+        return torch.cat([kv, self.indexer.keys(x, rope, cos, sin).to(kv.dtype)], dim=-1)
 
     def _w_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head: W_UK [H, dn, r], W_UV [H, dv, r]."""
@@ -147,7 +163,10 @@ class MLAttention(nn.Module):
     # ---- entry points --------------------------------------------------------------------
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
-        """Serving path. x [T, hidden]; kv_cache [num_blocks, tokens_per_block, r+dr] (written in place)."""
+        """Serving path. x [T, hidden]; kv_cache [num_blocks, tokens_per_block, r+dr (+ Di: DSA)] (written in
+        place)."""
+        if self.indexer is not None:
+            return self._forward_sparse(x, rope, cos, sin, meta, kv_cache)
         if self.decode_weights is not None and meta.use_absorbed and meta.uniform_q:
             return self._forward_decode_fused(x, rope, cos, sin, meta, kv_cache)
         q_nope, q_pe, kv = self._project(x, rope, cos, sin)
@@ -169,6 +188,27 @@ class MLAttention(nn.Module):
             keys = flat_cache[meta.kv_slots].to(x.dtype)                      # [B, L, r+dr]
             out = self.attend(pad_q(q_nope), pad_q(q_pe), keys, meta.visible(), meta.use_absorbed)  # [B, Q, H, dv]
             out = out[meta.q_valid]                                           # [T, H, dv]
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+    def _forward_sparse(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
+                        meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3.2 over the paged cache, any rows (prefill chunks, decode / verification / draft rows):
+        each token's cache row is [c_kv | k_pe | index key]; each query scores its row's visible keys with the
+        indexer and attends to the index_topk best (model/dsa.py). The torch reference of the native forward."""
+        q_lat: list[torch.Tensor] = []
+        q_nope, q_pe, kv = self._project(x, rope, cos, sin, q_lat)
+        idx = self.indexer
+        write_slots(kv_cache, meta.slot_mapping, torch.cat([kv, idx.keys(x, rope, cos, sin).to(kv.dtype)], dim=-1))
+        # (the same row as cache_row(x): the projections above are reused, not recomputed)
+        pad_q = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])])[meta.q_index]  # noqa: E731
+        rows = kv_cache.view(-1, kv_cache.shape[-1])[meta.kv_slots].to(x.dtype)   # [B, L, r+dr+Di]
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        visible = meta.visible()                                               # [B, Q, L]
+        scores = index_scores(pad_q(idx.queries(q_lat[0], rope, cos, sin)), pad_q(idx.head_weights(x)),
+                              rows[..., latent:])                              # [B, Q, L]
+        chosen = select_topk(scores, visible, idx.topk)
+        out = self.attend(pad_q(q_nope), pad_q(q_pe), rows[..., :latent], chosen, meta.use_absorbed)
+        out = out[meta.q_valid]                                                # [T, H, dv]
         return self.o_proj(out.reshape(out.shape[0], -1))
 
     def _forward_decode_fused(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
@@ -197,8 +237,15 @@ class MLAttention(nn.Module):
     def forward_dense(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor,
                       absorbed: bool = False) -> torch.Tensor:
         """Training / reference path without a cache: x [B, S, hidden], causal within each row."""
-        q_nope, q_pe, kv = self._project(x, rope, cos, sin)
-        if absorbed:
+        q_lat: list[torch.Tensor] = []
+        q_nope, q_pe, kv = self._project(x, rope, cos, sin, q_lat)
+        if self.indexer is not None:   # DSA: causal, then each query's index_topk best keys
+            S, idx = x.shape[1], self.indexer
+            causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], S, S)
+            scores = index_scores(idx.queries(q_lat[0], rope, cos, sin), idx.head_weights(x),
+                                  idx.keys(x, rope, cos, sin))
+            out = self.attend(q_nope, q_pe, kv, select_topk(scores, causal, idx.topk), absorbed)
+        elif absorbed:
             S = x.shape[1]
             mask = torch.ones(S, S, dtype=torch.bool, device=x.device).tril().expand(x.shape[0], S, S)
             out = self.attend(q_nope, q_pe, kv, mask, True)

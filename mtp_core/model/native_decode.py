@@ -83,6 +83,8 @@ class NativeDecoder:
             linears = [attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj,
                        *([attn.q_a_proj, attn.q_b_proj] if attn.q_lora_rank is not None else [attn.q_proj])]
             linears += [l for m in mlps for l in (m.gate_proj, m.up_proj, m.down_proj)]
+            if attn.indexer is not None:
+                linears += [attn.indexer.wq_b, attn.indexer.wk, attn.indexer.weights_proj]
             for lin in linears:
                 if not isinstance(lin, _LINEARS) or (type(lin) is nn.Linear and lin.weight.dtype not in
                                                      (torch.float32, torch.bfloat16)):

@@ -212,21 +212,28 @@ class LayerWeights:
     hnorm: Optional[torch.Tensor] = None
     eh_proj: Optional[Matrix] = None
     head_norm: Optional[torch.Tensor] = None
+    # DeepSeek-V3.2's indexer (model/dsa.py): wq_b, wk, weights_proj; k_norm's LayerNorm weight and bias
+    idx_q: Optional[Matrix] = None
+    idx_k: Optional[Matrix] = None
+    idx_w: Optional[Matrix] = None
+    idx_norm: Optional[torch.Tensor] = None
+    idx_bias: Optional[torch.Tensor] = None
 
     def matrices(self) -> list[Matrix]:
         out = [self.q_in, self.kv_a, self.o, *self.uk, *self.uv]
-        out += [m for m in (self.q_b, self.router, self.eh_proj) if m is not None]
+        out += [m for m in (self.q_b, self.router, self.eh_proj, self.idx_q, self.idx_k, self.idx_w) if m is not None]
         for f in [self.mlp, self.shared, *self.experts]:
             if f is not None:
                 out += [f.gate, f.up, f.down]
         return out
 
     def entries(self, p: str, tensors: dict, ints: dict, floats: dict) -> None:
-        for name in ("in_norm", "kv_norm", "post_norm", "q_a_norm", "enorm", "hnorm", "head_norm", "router_bias"):
+        for name in ("in_norm", "kv_norm", "post_norm", "q_a_norm", "enorm", "hnorm", "head_norm", "router_bias",
+                     "idx_norm", "idx_bias"):
             t = getattr(self, name)
             if t is not None:
                 tensors[p + name] = t
-        for name in ("q_in", "kv_a", "o", "q_b", "router", "eh_proj"):
+        for name in ("q_in", "kv_a", "o", "q_b", "router", "eh_proj", "idx_q", "idx_k", "idx_w"):
             m = getattr(self, name)
             if m is not None:
                 m.entries(p + name, tensors, ints, floats)
@@ -306,6 +313,11 @@ def choose_layout(model: nn.Module, want: str = "") -> str:
     want = want or os.environ.get("MTP_CORE_NATIVE_LAYOUT", "auto")
     if want not in LAYOUTS:
         raise ValueError(f"MTP_CORE_NATIVE_LAYOUT={want!r}: use one of {', '.join(LAYOUTS)}")
+    if getattr(model.config, "is_dsa", False):
+        if want == "packed":
+            log.info("native layout: DeepSeek-V3.2 sparse attention runs in the direct layout only; "
+                     "MTP_CORE_NATIVE_LAYOUT=packed ignored")
+        return "direct"
     if want != "auto":
         return want
     plain = all(type(m) is nn.Linear for m in model.modules() if isinstance(m, (nn.Linear, Fp8BlockLinear, Nvfp4Linear)))
@@ -349,6 +361,10 @@ def _layer(layer: nn.Module, pack: bool, pairs: bool = False) -> LayerWeights:
             lw["shared"] = _ffn(mlp.shared_experts, pack, pairs)
     else:
         lw["mlp"] = _ffn(mlp, pack, pairs)
+    idx = getattr(attn, "indexer", None)
+    if idx is not None:   # read in place like the other row-wise matrices (direct layout only: choose_layout)
+        lw.update(idx_q=rows_of(idx.wq_b), idx_k=rows_of(idx.wk), idx_w=rows_of(idx.weights_proj),
+                  idx_norm=_c(idx.k_norm.weight), idx_bias=_c(idx.k_norm.bias))
     if hasattr(layer, "eh_proj"):
         lw.update(enorm=_c(layer.enorm.weight), hnorm=_c(layer.hnorm.weight), head_norm=_c(layer.shared_head.norm.weight),
                   eh_proj=panel(layer.eh_proj.weight, pairs) if pack else rows_of(layer.eh_proj))
@@ -368,6 +384,10 @@ def build_native_weights(model: nn.Module, layout: str) -> NativeWeights:
                 num_main=model.num_main_layers)
     params = dict(eps=float(cfg.rms_norm_eps), softmax_scale=float(attn0.softmax_scale),
                   routed_scale=float(cfg.routed_scaling_factor or 1.0))
+    if attn0.indexer is not None:
+        dims.update(index_heads=attn0.indexer.n_heads, index_dim=attn0.indexer.head_dim,
+                    index_topk=attn0.indexer.topk)
+        params["index_eps"] = float(attn0.indexer.k_norm.eps)
     pack = layout == "packed"
     dims["amx"] = int(not pack and kernels.cpu_amx())
     dims["bf16_dot"] = int(not pack and kernels.cpu_bf16_dot())

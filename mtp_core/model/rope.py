@@ -58,19 +58,22 @@ class RotaryEmbedding:
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq
         return freqs.cos() * self.attn_factor, freqs.sin() * self.attn_factor
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, has_heads: bool) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, has_heads: bool,
+              interleave: bool | None = None) -> torch.Tensor:
         """x [..., T, heads, dim] (has_heads) or [..., T, dim]; cos/sin [T, dim/2].
 
         Interleaved checkpoints pair (x0, x1), (x2, x3), ...; the result is laid out as
         [rotated evens | rotated odds], as Hugging Face does. q and k get the same layout, so dot
-        products are unchanged and the cache stores keys in that layout.
+        products are unchanged and the cache stores keys in that layout. interleave: the checkpoint's
+        form (None), or this one (DeepSeek-V3.2's indexer is always half-split).
         """
+        interleave = self.interleave if interleave is None else interleave
         if x.dim() == (3 if has_heads else 2) and cos.dim() == 2:   # serving layout: [T, (heads,) dim]
-            return kernels.rope(x, cos, sin, self.interleave)
+            return kernels.rope(x, cos, sin, interleave)
         if has_heads:
             cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        if self.interleave:
+        if interleave:
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:
             half = x.shape[-1] // 2

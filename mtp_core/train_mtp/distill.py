@@ -111,6 +111,9 @@ def build_training_model(o: FinetuneOptions) -> tuple[DeepseekV3ForCausalLM, obj
     from mtp_core.loader import load_model
 
     src_model, ckpt = load_model(o.model_dir, dtype="float32", keep_quantized=False)
+    if ckpt.config.is_dsa:
+        raise ValueError(f"{o.model_dir} is a DeepSeek-V3.2 (sparse attention) checkpoint; MTP training covers "
+                         "DeepSeek-V3 attention only for now")
     if not o.add_mtp:
         return src_model, ckpt, dict(ckpt.config.raw)
     raw = {**ckpt.config.raw, "num_nextn_predict_layers": o.add_mtp}
