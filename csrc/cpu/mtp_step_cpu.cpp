@@ -312,11 +312,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
   for (int64_t k = 0; drafting && k < num_modules; ++k) checked.push_back(mtp_layer + k);
   for (int64_t l : checked) {
     const at::Tensor& c = caches[l];
-    TORCH_CHECK(c.dim() == 3 && c.size(2) == d.R + d.P && c.is_contiguous() &&
+    TORCH_CHECK(c.dim() == 3 && c.size(2) == d.cache_row() && c.is_contiguous() &&
                     (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16 ||
                      c.scalar_type() == at::kFloat8_e4m3fn) &&
                     c.sizes() == caches[0].sizes() && c.scalar_type() == caches[0].scalar_type(),
-                "mtp_step: caches must be contiguous [blocks, page, R+P] float32/bfloat16/float8_e4m3fn, all alike");
+                "mtp_step: caches must be contiguous [blocks, page, R+P (+ the index key on DeepSeek-V3.2)] "
+                "float32/bfloat16/float8_e4m3fn, all alike");
   }
   for (int64_t l = 1; l < L; ++l)
     TORCH_CHECK(caches[l].sizes() == caches[0].sizes() && caches[l].scalar_type() == caches[0].scalar_type() &&

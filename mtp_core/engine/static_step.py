@@ -272,12 +272,6 @@ def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMC
                              relaxed if relaxed and relaxed[0] > 1 and relaxed[1] > 0 else None,
                              torch.device(cfg.device))
     use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
-    if use_native_step and model.config.is_dsa and isinstance(path, NativeDecoder):
-        # mtp_core::mtp_step reads [c_kv | k_pe] cache rows; a V3.2 row adds the index key, so its steps run the
-        # general path (one native decode_forward per target / draft forward, DSA inside)
-        logging.getLogger("mtp.engine").info("native one-call step off: DeepSeek-V3.2 sparse attention runs "
-                                             "through decode_forward per forward")
-        use_native_step = False
     native = (NativeStep(model, path, caches, K, relaxed, fixed_counts=fixed_counts, vanilla=mode == "vanilla",
                          confidence=confidence)
               if use_native_step and graphs is None and not overlap and not injected_drafter
