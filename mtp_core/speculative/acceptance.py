@@ -19,6 +19,8 @@ E = (1, 1.9, 2.26, 2.476).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from mtp_core.speculative.mtp_state import MTPState
 
 ACCEPT_WEIGHT = 0.1        # weight of a request's newest observation in its acceptance estimate
@@ -88,3 +90,44 @@ def request_expected(mtp: MTPState, engine: list[float], engine_expected: list[f
     if now - mtp.accept_step > 1:
         return expected_tokens(relaxed(mtp.accept_est, engine, now - mtp.accept_step, RELAX), len(engine))
     return mtp.expected
+
+
+REDECIDE_GAP = 4           # a verified draft this many policy steps after the last one is a probe (the policy
+                           # drafted nothing in between): its outcome sets the re-try backoff
+
+
+class EngineAcceptance:
+    """The engine-wide acceptance estimate every new request starts from, carried across requests: `rates` per
+    draft position, learnt from every verified draft (with each request's own, `learn`), relaxed back toward the
+    prior while nothing is verified, half as fast after each probe whose first draft was rejected (a head that
+    predicts nothing is re-tried after ~30, ~60, ~120 ... steps; one stopped by bad luck resumes after ~30)."""
+
+    def __init__(self, draft_len: int) -> None:
+        self.draft_len = draft_len
+        self.rates = [PRIOR_ACCEPT] * draft_len
+        self._expected: Optional[list[float]] = None   # E(0..draft_len) of `rates`, None when stale
+        self._seen = 0                 # the policy step when `rates` last learnt something (or was relaxed)
+        self._last_obs = 0             # the policy step of the last verified draft
+        self._probe_fails = 0          # probes in a row that found the first draft rejected
+        self._num_observed = 0         # observations `rates` has learnt from (since it last went stale)
+
+    def observe(self, mtp: MTPState, proposed: int, accepted: int, now: int) -> None:
+        """A row verified proposed > 0 drafts and accepted `accepted` at policy step `now`."""
+        if now - self._last_obs > REDECIDE_GAP:   # a probe after a stretch without drafts: did it do better?
+            self._probe_fails = self._probe_fails + 1 if accepted == 0 else 0
+        elif accepted:
+            self._probe_fails = 0
+        self._last_obs = now
+        self._num_observed = 1 if now - self._seen > STALE else self._num_observed + 1
+        learn(mtp, self.rates, self._num_observed, now, proposed, accepted)
+        self._seen, self._expected = now, None
+
+    def expected(self, now: int) -> list[float]:
+        """E(0..draft_len) of the engine-wide estimate at policy step `now` (relaxed first if it went stale)."""
+        if now - self._seen > 1:
+            rate = GLOBAL_RELAX / (1 << min(self._probe_fails, 16))
+            self.rates = relaxed(self.rates, [PRIOR_ACCEPT] * self.draft_len, now - self._seen, rate)
+            self._seen, self._expected = now, None
+        if self._expected is None:
+            self._expected = expected_tokens(self.rates, self.draft_len)
+        return self._expected

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional, Sequence
 
 RING = 9                   # samples per cost cell
 TRUSTED = 3                # samples from which a cell's own value is its estimate (before: see _estimate)
@@ -110,8 +110,9 @@ class StepCosts:
     """t(B, k) per batch-size bucket: target-part and drafter-part cells of per-row seconds, and the
     catch-up cost per lagging position."""
 
-    def __init__(self, K: int) -> None:
+    def __init__(self, K: int, catchup_ratio: float = 0.25) -> None:
         self.K = K
+        self.catchup_ratio = catchup_ratio           # a catch-up position's cost per k = 0 row, until measured
         self.target: dict[int, list[Optional[_Cell]]] = {}
         self.draft: dict[int, list[Optional[_Cell]]] = {}
         self._catchup = _Cell()                      # seconds per lagging position caught up
@@ -143,6 +144,12 @@ class StepCosts:
         s = sorted(self._catchup.samples)
         return s[len(s) // 2] if s else None
 
+    def catchup_position_s(self, k0_row_s: float) -> float:
+        """Seconds per lagging position caught up: measured, else a k = 0 row's seconds x catchup_ratio (the
+        MTP modules one catch-up runs over the main layers)."""
+        c = self.catchup_s
+        return c if c is not None else k0_row_s * self.catchup_ratio
+
     def per_row(self, batch_size: int) -> Optional[tuple[list[float], list[float]]]:
         """(target part, drafter part) per row for k = 0..K at this batch size; None when nothing is measured.
         A bucket without target measurements borrows the nearest measured bucket's."""
@@ -169,3 +176,58 @@ class StepCosts:
                            "draft_samples": [len(c.samples) if c else 0
                                              for c in self.draft.get(b, [None] * (self.K + 1))]}
         return out
+
+
+WARMUP_STEPS = 3           # the engine's first decode steps run cold (caches, allocator): not measured
+SETTLE = 2                 # steps of a count after a change that are not measured (the change's cost)
+
+
+class Measure(NamedTuple):
+    """What a decision leaves for the step's timing: its rows, count, catch-up positions, whether it is clean
+    (decode rows only, every row at the count, in a settled run of it)."""
+    rows: int
+    draft_len: int
+    catchup: int
+    clean: bool
+
+
+class StepTimer:
+    """Which steps are measured, and into which cells of `costs`. A step is measured only if it is decode-only,
+    uniform (every row verified the same count) and the (SETTLE + 1)-th or later of a run of that count: the
+    first steps after a change pay for the earlier ones (the tokens they emitted, the caches their working set
+    evicted; measured: a k = 0 step after k = 3 ones costs ~25% more at batch 16, ~10% one step later). The
+    drafter part is measured for clean decisions; a decision whose lagging rows catch up measures the catch-up
+    per position instead (the drafter's usual time at that count subtracted)."""
+
+    def __init__(self, draft_len: int, catchup_ratio: float = 0.25) -> None:
+        self.costs = StepCosts(draft_len, catchup_ratio)
+        self.pending: Optional[Measure] = None      # this step's decision, for its drafter part
+        self._prev_end: Optional[float] = None      # end of the previous step, if it was a decode step
+        self._prev_verified: Optional[int] = None   # drafts the previous step verified, if decode-only ...
+        self._run_verified = 0                      # ... and how many steps in a row verified as many
+        self.warmup = WARMUP_STEPS
+
+    def record_step(self, rows: Sequence[Any], t0: float, t1: float, t2: float) -> None:
+        """rows: the step's scheduled rows; t0 its start, t1 after commit (target part done), t2 its end
+        (drafting for the next step done)."""
+        decode = bool(rows) and not any(r.is_prefill for r in rows)
+        verified = max(len(r.token_ids) for r in rows) - 1 if decode else None
+        if decode and min(len(r.token_ids) for r in rows) - 1 != verified:
+            decode, verified = False, None        # rows verified different counts: not a uniform step
+        p, self.pending = self.pending, None
+        self._run_verified = self._run_verified + 1 if decode and verified == self._prev_verified else 1
+        self._prev_verified = verified
+        prev_end, self._prev_end = self._prev_end, t2 if decode else None
+        if decode and self.warmup > 0:
+            self.warmup -= 1
+            return
+        if decode and self._run_verified > SETTLE:
+            self.costs.add_target(len(rows), verified, t1 - (prev_end if prev_end is not None else t0))
+        if p is None:
+            return
+        if p.catchup:
+            cell = self.costs.draft.get(bucket(p.rows), [None] * (self.costs.K + 1))[p.draft_len]
+            if cell is not None:          # the drafter's usual time at this count is known: the rest is the catch-up
+                self.costs.add_catchup((t2 - t1 - p.rows * cell.value) / p.catchup)
+        elif p.clean:
+            self.costs.add_draft(p.rows, p.draft_len, t2 - t1)
