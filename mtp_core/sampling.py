@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -73,7 +74,8 @@ class SamplingParams:
 
     @property
     def needs_logits(self) -> bool:
-        """The engine must see this request's logits (the fused native / CUDA-graph steps return only tokens)."""
+        """The engine must see this request's logits: the native CPU step prepares what they need along the drafts
+        (engine/native_step.py), the CUDA-graph step returns only tokens (the general path runs such a batch)."""
         return (self.processes_logits or self.logprobs is not None or self.prompt_logprobs is not None
                 or self.guided is not None)
 
@@ -125,6 +127,87 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
         if p.presence_penalty:
             row -= p.presence_penalty * (counts > 0).float()
     return x
+
+
+class PenaltyRules:
+    """One request's process_logits as the native step takes it (mtp_step's rule entries, applied by LogitsRules in
+    csrc/cpu/mtp_step_cpu.cpp): at each position i of a verify row [t, d_1..d_k], one entry per token that
+    process_logits changes there, (token, bias, rep, freq, pres) in float32, such that
+
+        y = bias == -inf ? -inf : x + bias;  y = y > 0 ? y / rep : y * rep;  y = y - freq;  y = y - pres
+
+    is process_logits' value at that token (the same float32 operations in the same order; the sign of a zero
+    aside) and every other token keeps its raw logit. bias: logit_bias's value, -inf where min_tokens masks a stop
+    token at that position; rep: the repetition penalty for a token seen in the prompt, the output or d_1..d_i,
+    else 1; freq: float32(frequency_penalty) x the token's count over the output and d_1..d_i; pres: the presence
+    penalty if that count is > 0, else 0. Every position lists the same tokens (the ones any of them touches).
+
+    Worked example (process_logits' docstring; V = 4, frequency 1.0, output [2], drafts [2]): tokens [2] at both
+    positions, freq 1.0 then 2.0: logits [1, 1, 3, 0] -> [1, 1, 2, 0] and [1, 1, 1, 0].
+
+    Built once per request; it counts the output as it grows (`at` is called with the output so far, which only
+    grows, preemption included)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], stop_ids: list[int], vocab: int) -> None:
+        p = params
+        self.min_tokens = p.min_tokens
+        self.stops = sorted({t for t in stop_ids if 0 <= t < vocab})
+        self.rep, self.freq, self.pres = (np.float32(p.repetition_penalty), np.float32(p.frequency_penalty),
+                                          np.float32(p.presence_penalty))
+        self.counted = bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+        # the tokens touched at every position: logit_bias's first, then the prompt's (repetition), then the output's
+        self.tokens: list[int] = list(p.logit_bias)
+        self.bias = np.array([p.logit_bias[t] for t in self.tokens], dtype=np.float32)
+        self.index = {t: i for i, t in enumerate(self.tokens)}
+        self.counts = np.zeros(vocab, dtype=np.float32) if self.counted else None
+        self.in_prompt = np.zeros(vocab, dtype=bool) if p.repetition_penalty != 1.0 else None
+        if self.in_prompt is not None:
+            self.in_prompt[prompt_ids] = True
+            self._touch(prompt_ids)
+        self.num_counted = 0
+        self._array: Optional[np.ndarray] = None
+
+    def _touch(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if t not in self.index:
+                self.index[t] = len(self.tokens)
+                self.tokens.append(t)
+                self._array = None
+
+    def at(self, output_ids: list[int], drafts: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+        """-> (ids [n * u] int64, vals [n * u, 4] float32, u): the entries of the row's n = len(drafts) + 1
+        positions in order, u per position."""
+        new = output_ids[self.num_counted:]
+        if self.counted and new:
+            np.add.at(self.counts, new, 1)
+            self._touch(new)
+        self.num_counted = len(output_ids)
+        n = len(drafts) + 1
+        masked = [i for i in range(n) if len(output_ids) + i < self.min_tokens] if self.stops else []
+        extra = [t for t in dict.fromkeys((drafts if self.counted else []) + (self.stops if masked else []))
+                 if t not in self.index]
+        if self._array is None:
+            self._array = np.array(self.tokens, dtype=np.int64)
+        ids = np.concatenate([self._array, np.array(extra, dtype=np.int64)]) if extra else self._array
+        u = len(ids)
+        vals = np.empty((n, u, 4), dtype=np.float32)
+        vals[:, :, 0] = 0.0
+        vals[:, :len(self.bias), 0] = self.bias
+        if masked:
+            at = [self.index[t] if t in self.index else len(self.tokens) + extra.index(t) for t in self.stops]
+            vals[np.ix_(masked, at, [0])] = -np.inf
+        if self.counted:
+            c = np.repeat(self.counts[ids][None], n, axis=0)               # [n, u]: counts before each position
+            for i, d in enumerate(drafts):
+                c[i + 1:, self.index[d] if d in self.index else len(self.tokens) + extra.index(d)] += 1
+            seen = c > 0
+            vals[:, :, 1] = np.where(seen | self.in_prompt[ids], self.rep, np.float32(1.0)) \
+                if self.in_prompt is not None else np.float32(1.0)
+            vals[:, :, 2] = self.freq * c
+            vals[:, :, 3] = np.where(seen, self.pres, np.float32(0.0))
+        else:
+            vals[:, :, 1:] = (1.0, 0.0, 0.0)
+        return np.tile(ids, n), vals.reshape(n * u, 4), u
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:

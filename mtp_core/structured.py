@@ -26,6 +26,7 @@ import re
 import threading
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from mtp_core.sampling import SamplingParams, sample_tokens
@@ -96,7 +97,8 @@ class GrammarBackend:
         forbid = self.forbid
         if guided[0] in ("json_object", "json_schema"):
             forbid = self._json_forbid()
-        return Guide(self.xgr.GrammarMatcher(self.compile(guided), max_rollback_tokens=self.max_rollback), forbid)
+        return Guide(self.xgr.GrammarMatcher(self.compile(guided), max_rollback_tokens=self.max_rollback), forbid,
+                     self)
 
     def _json_forbid(self) -> list[int]:
         """JSON (compact, as compiled here) never needs a byte below 0x20, and inside a string such a byte must be
@@ -152,8 +154,10 @@ def tool_calls_grammar(xgr: Any, spec: dict) -> Any:
 class Guide:
     """A request's grammar matcher and the token ids it never allows (think tokens; control bytes for JSON)."""
 
-    def __init__(self, matcher: Any, forbid: list[int]) -> None:
-        self.matcher, self.forbid = matcher, forbid
+    def __init__(self, matcher: Any, forbid: list[int], backend: Optional[GrammarBackend] = None) -> None:
+        self.matcher, self.forbid, self.backend = matcher, forbid, backend
+        self.masks: Optional[torch.Tensor] = None    # guided_masks' rows, kept from step to step
+        self.allowed: Optional[torch.Tensor] = None  # [words] int32: every bit set but the forbidden tokens'
 
     def accept_token(self, tok: int) -> bool:
         return self.matcher.accept_token(tok)
@@ -191,3 +195,47 @@ def verify_guided_row(backend: GrammarBackend, matcher: "Guide", logits: torch.T
     if taken:
         matcher.rollback(taken)
     return out
+
+
+def guided_masks(backend: GrammarBackend, guide: Guide, drafts: list[int], thinking: bool,
+                 think_ids: Optional[tuple[int, int]]) -> tuple[torch.Tensor, list[bool], int]:
+    """verify_guided_row's masks for the native step, made before the target's logits exist: the row [t, d_1..d_k]
+    walks its drafts as if each were accepted, and position i's mask is the one verify_guided_row uses there once
+    d_1..d_i are accepted (the forbidden tokens cleared too). Where verify_guided_row would stop even on a match (a
+    stop token, the grammar's end or a draft it rejects, after draft i) no later position is reached, so the walk
+    stops and the row may accept at most i drafts. Returns (masks [n, ceil(V / 32)] int32, xgrammar's layout: a set
+    bit allows the token; whether each of the n positions has a mask (none inside <think> with guided_after_think);
+    the most drafts the row may accept). The matcher is left where it was."""
+    if guide.masks is None or guide.masks.shape[0] < len(drafts) + 1:
+        guide.masks = backend.xgr.allocate_token_bitmask(len(drafts) + 1, backend.vocab_size)
+    if guide.forbid and guide.allowed is None:
+        bits = np.ones(guide.masks.shape[1] * 32, dtype=bool)
+        bits[guide.forbid] = False                        # bit t % 32 of word t // 32 (little-endian words)
+        guide.allowed = torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
+    masks, has = guide.masks, []
+    cap, taken = len(drafts), 0
+    for i in range(len(drafts) + 1):
+        has.append(not thinking)
+        if not thinking:
+            guide.matcher.fill_next_token_bitmask(masks, i)
+        if i == len(drafts):
+            break
+        d = drafts[i]
+        if not thinking and d in backend.stop_ids:
+            cap = i
+            break
+        if think_ids is not None and d == think_ids[0]:
+            thinking = True
+        elif think_ids is not None and d == think_ids[1]:
+            thinking = False
+        elif not thinking:
+            if guide.matcher.is_terminated() or not guide.matcher.accept_token(d):
+                cap = i
+                break
+            taken += 1
+    if taken:
+        guide.matcher.rollback(taken)
+    out = masks[:len(has)]
+    if guide.allowed is not None:
+        out &= guide.allowed
+    return out, has, cap

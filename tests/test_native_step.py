@@ -141,9 +141,9 @@ def test_native_vanilla_step_refuses_short_windows(models) -> None:
         call(1)
     with pytest.raises(RuntimeError, match="window of 2 positions"):
         call(2, valid=7)                                  # positions 7..9 lag: 3 stored ones needed
-    out, hidden, window = call(2)
+    out, hidden, window, _, _ = call(2)
     assert out.shape == (1, 1 + 4 + 3) and hidden.shape == (4, H) and window.shape == (1, 3, H)
-    out, _, window = call(0, num_drafts=0)                # no drafts: no MTP forward, no window needed
+    out, _, window, _, _ = call(0, num_drafts=0)                # no drafts: no MTP forward, no window needed
     assert (out[0, 5:] == -1).all() and window.numel() == 0
     with pytest.raises(RuntimeError, match="wants 4 drafts from 3"):
         call(2, num_drafts=4, ids=(5,))
