@@ -145,69 +145,78 @@ class PenaltyRules:
     Worked example (process_logits' docstring; V = 4, frequency 1.0, output [2], drafts [2]): tokens [2] at both
     positions, freq 1.0 then 2.0: logits [1, 1, 3, 0] -> [1, 1, 2, 0] and [1, 1, 1, 0].
 
-    Built once per request; it counts the output as it grows (`at` is called with the output so far, which only
-    grows, preemption included)."""
+    Built once per request; it keeps one entry per token touched so far (logit_bias's, the prompt's with a
+    repetition penalty, the output's and the drafts' with any penalty, the stop tokens with min_tokens) and updates
+    it as the output grows (`at` is called with the output so far, which only grows, preemption included); a
+    position's entries are those, with the counts of the drafts before it added."""
 
     def __init__(self, params: SamplingParams, prompt_ids: list[int], stop_ids: list[int], vocab: int) -> None:
         p = params
         self.min_tokens = p.min_tokens
         self.stops = sorted({t for t in stop_ids if 0 <= t < vocab})
-        self.rep, self.freq, self.pres = (np.float32(p.repetition_penalty), np.float32(p.frequency_penalty),
-                                          np.float32(p.presence_penalty))
+        # as float32 values (process_logits multiplies float32 tensors by them); count x freq is exact in a double
+        # (24 + 31 bits at most), so storing it into float32 rounds it once, as a float32 product does
+        self.rep, self.freq, self.pres = (float(np.float32(p.repetition_penalty)), float(np.float32(p.frequency_penalty)),
+                                          float(np.float32(p.presence_penalty)))
         self.counted = bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
-        # the tokens touched at every position: logit_bias's first, then the prompt's (repetition), then the output's
-        self.tokens: list[int] = list(p.logit_bias)
-        self.bias = np.array([p.logit_bias[t] for t in self.tokens], dtype=np.float32)
-        self.index = {t: i for i, t in enumerate(self.tokens)}
-        self.counts = np.zeros(vocab, dtype=np.float32) if self.counted else None
-        self.in_prompt = np.zeros(vocab, dtype=bool) if p.repetition_penalty != 1.0 else None
-        if self.in_prompt is not None:
-            self.in_prompt[prompt_ids] = True
-            self._touch(prompt_ids)
+        self.bias = {t: float(np.float32(b)) for t, b in p.logit_bias.items()}
+        self.in_prompt = set(prompt_ids) if p.repetition_penalty != 1.0 else set()
+        self.index: dict[int, int] = {}                   # token -> its entry
+        self.counts: list[int] = []                       # per entry: the token's count over the output
+        self.ids = np.empty(64, dtype=np.int64)
+        self.vals = np.empty((64, 4), dtype=np.float32)
+        for t in (*self.bias, *sorted(self.in_prompt)):
+            self._touch(t)
         self.num_counted = 0
-        self._array: Optional[np.ndarray] = None
 
-    def _touch(self, tokens: list[int]) -> None:
-        for t in tokens:
-            if t not in self.index:
-                self.index[t] = len(self.tokens)
-                self.tokens.append(t)
-                self._array = None
+    def _entry(self, t: int, count: int) -> tuple:
+        """(bias, rep, freq, pres) of token t after `count` occurrences (process_logits' float32 values)."""
+        seen = count > 0 or t in self.in_prompt
+        return self.bias.get(t, 0.0), self.rep if seen else 1.0, self.freq * count, self.pres if count > 0 else 0.0
+
+    def _touch(self, t: int) -> int:
+        i = self.index.get(t)
+        if i is None:
+            i = self.index[t] = len(self.counts)
+            self.counts.append(0)
+            if i == len(self.ids):
+                self.ids = np.concatenate([self.ids, np.empty_like(self.ids)])
+                self.vals = np.concatenate([self.vals, np.empty_like(self.vals)])
+            self.ids[i] = t
+            self.vals[i] = self._entry(t, 0)
+        return i
 
     def at(self, output_ids: list[int], drafts: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
         """-> (ids [n * u] int64, vals [n * u, 4] float32, u): the entries of the row's n = len(drafts) + 1
         positions in order, u per position."""
-        new = output_ids[self.num_counted:]
-        if self.counted and new:
-            np.add.at(self.counts, new, 1)
-            self._touch(new)
+        if self.counted:
+            for t in output_ids[self.num_counted:]:
+                i = self._touch(t)
+                self.counts[i] += 1
+                self.vals[i] = self._entry(t, self.counts[i])
+            for t in drafts:
+                self._touch(t)
         self.num_counted = len(output_ids)
         n = len(drafts) + 1
         masked = [i for i in range(n) if len(output_ids) + i < self.min_tokens] if self.stops else []
-        extra = [t for t in dict.fromkeys((drafts if self.counted else []) + (self.stops if masked else []))
-                 if t not in self.index]
-        if self._array is None:
-            self._array = np.array(self.tokens, dtype=np.int64)
-        ids = np.concatenate([self._array, np.array(extra, dtype=np.int64)]) if extra else self._array
-        u = len(ids)
-        vals = np.empty((n, u, 4), dtype=np.float32)
-        vals[:, :, 0] = 0.0
-        vals[:, :len(self.bias), 0] = self.bias
-        if masked:
-            at = [self.index[t] if t in self.index else len(self.tokens) + extra.index(t) for t in self.stops]
-            vals[np.ix_(masked, at, [0])] = -np.inf
-        if self.counted:
-            c = np.repeat(self.counts[ids][None], n, axis=0)               # [n, u]: counts before each position
-            for i, d in enumerate(drafts):
-                c[i + 1:, self.index[d] if d in self.index else len(self.tokens) + extra.index(d)] += 1
-            seen = c > 0
-            vals[:, :, 1] = np.where(seen | self.in_prompt[ids], self.rep, np.float32(1.0)) \
-                if self.in_prompt is not None else np.float32(1.0)
-            vals[:, :, 2] = self.freq * c
-            vals[:, :, 3] = np.where(seen, self.pres, np.float32(0.0))
-        else:
-            vals[:, :, 1:] = (1.0, 0.0, 0.0)
-        return np.tile(ids, n), vals.reshape(n * u, 4), u
+        for t in self.stops if masked else ():
+            self._touch(t)
+        u = len(self.counts)
+        ids, vals = np.empty((n, u), dtype=np.int64), np.empty((n, u, 4), dtype=np.float32)
+        ids[:] = self.ids[:u]
+        vals[:] = self.vals[:u]
+        ids, vals = ids.reshape(n * u), vals.reshape(n * u, 4)
+        if self.counted and drafts:           # position i: the counts of d_1..d_i added
+            extra: dict[int, int] = {}
+            for i, d in enumerate(drafts, 1):
+                extra[d] = extra.get(d, 0) + 1
+                for t, e in extra.items():
+                    j = self.index[t]
+                    vals[i * u + j] = self._entry(t, self.counts[j] + e)
+        for i in masked:                      # min_tokens: the stop tokens cannot be chosen here
+            for t in self.stops:
+                vals[i * u + self.index[t], 0] = -np.inf
+        return ids, vals, u
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:

@@ -157,7 +157,8 @@ class Guide:
     def __init__(self, matcher: Any, forbid: list[int], backend: Optional[GrammarBackend] = None) -> None:
         self.matcher, self.forbid, self.backend = matcher, forbid, backend
         self.masks: Optional[torch.Tensor] = None    # guided_masks' rows, kept from step to step
-        self.allowed: Optional[torch.Tensor] = None  # [words] int32: every bit set but the forbidden tokens'
+        self.masks_np: Optional[np.ndarray] = None   # ... and a numpy view of them
+        self.allowed: Optional[np.ndarray] = None    # [words] int32: every bit set but the forbidden tokens'
 
     def accept_token(self, tok: int) -> bool:
         return self.matcher.accept_token(tok)
@@ -208,34 +209,39 @@ def guided_masks(backend: GrammarBackend, guide: Guide, drafts: list[int], think
     the most drafts the row may accept). The matcher is left where it was."""
     if guide.masks is None or guide.masks.shape[0] < len(drafts) + 1:
         guide.masks = backend.xgr.allocate_token_bitmask(len(drafts) + 1, backend.vocab_size)
+        guide.masks_np = guide.masks.numpy()
     if guide.forbid and guide.allowed is None:
         bits = np.ones(guide.masks.shape[1] * 32, dtype=bool)
         bits[guide.forbid] = False                        # bit t % 32 of word t // 32 (little-endian words)
-        guide.allowed = torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
-    masks, has = guide.masks, []
-    cap, taken = len(drafts), 0
+        guide.allowed = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+    matcher, masks = guide.matcher, guide.masks
+    fill, stops = matcher.fill_next_token_bitmask, backend.stop_ids
+    start, end = think_ids if think_ids is not None else (-1, -1)
+    n, cap, taken = 0, len(drafts), 0
+    thinks: Optional[list[bool]] = [] if think_ids is not None else None
     for i in range(len(drafts) + 1):
-        has.append(not thinking)
+        n += 1
+        if thinks is not None:
+            thinks.append(thinking)
         if not thinking:
-            guide.matcher.fill_next_token_bitmask(masks, i)
+            fill(masks, i)
         if i == len(drafts):
             break
         d = drafts[i]
-        if not thinking and d in backend.stop_ids:
+        if not thinking and d in stops:
             cap = i
             break
-        if think_ids is not None and d == think_ids[0]:
+        if d == start:
             thinking = True
-        elif think_ids is not None and d == think_ids[1]:
+        elif d == end:
             thinking = False
         elif not thinking:
-            if guide.matcher.is_terminated() or not guide.matcher.accept_token(d):
+            if matcher.is_terminated() or not matcher.accept_token(d):
                 cap = i
                 break
             taken += 1
     if taken:
-        guide.matcher.rollback(taken)
-    out = masks[:len(has)]
+        matcher.rollback(taken)
     if guide.allowed is not None:
-        out &= guide.allowed
-    return out, has, cap
+        np.bitwise_and(guide.masks_np[:n], guide.allowed, out=guide.masks_np[:n])
+    return masks[:n], [True] * n if thinks is None else [not t for t in thinks], cap

@@ -129,7 +129,7 @@ def test_native_masks_reject_a_draft_as_verify_guided_row(backend) -> None:
     m.matcher.fill_next_token_bitmask(before)
     masks, has, cap = guided_masks(backend, m, [N, X], False, None)
     assert has == [True, True] and cap == 1
-    assert torch.equal(masks[0], before[0] & m.allowed)
+    assert torch.equal(masks[0], before[0] & torch.from_numpy(m.allowed))
     assert native_guided(backend, m, logits, 7, [N, X]) == [N, O] == \
         verify_guided_row(backend, m, logits, [N, X], SamplingParams(), None, False, None)
     after = backend.new_bitmask()

@@ -182,11 +182,32 @@ void verify_greedy_rows(const float* logits, int64_t V, const int64_t* tok, cons
   }
 }
 
+// The top n of x [V] (n <= V) as torch.topk(x, n) selects them, ordered by value then id, into top; false when a
+// tie straddles the n-th place or x holds a NaN: which of the tied values torch keeps is up to its selection
+// algorithm, so the caller asks torch then. Otherwise the set is determined (every value above the n-th, every one
+// equal to it), whatever algorithm selects it.
+bool top_n(const float* x, int64_t V, int64_t n, std::vector<std::pair<float, int64_t>>& top) {
+  top.clear();
+  for (int64_t i = 0; i < V; ++i) {
+    const float v = x[i];
+    if (std::isnan(v)) return false;
+    if (static_cast<int64_t>(top.size()) == n && !(v > top.back().first)) continue;
+    auto at = std::upper_bound(top.begin(), top.end(), v, [](float a, const auto& e) { return a > e.first; });
+    top.insert(at, {v, i});               // after the equal ones: they have lower ids
+    if (static_cast<int64_t>(top.size()) > n) top.pop_back();
+  }
+  const float last = top.back().first;
+  int64_t kept = 0, all = 0;
+  for (const auto& e : top) kept += e.first == last;
+  for (int64_t i = 0; i < V; ++i) all += x[i] == last;
+  return kept == all;
+}
+
 // The general path's token_logprobs (sampling.py) of rows that ask: row b's emitted tokens scored by the raw
-// logits at its positions (log-softmax in float32 over the row's n emitted positions, by ATen's kernels as there),
-// the top N by torch's topk, ordered by value then id. -> (vals [R, 1 + Nmax] float32: the emitted token's
-// log-probability, then the top N values; ids [R, Nmax] int64: their ids, -1 padded), R = the asking rows' emitted
-// tokens in row order.
+// logits at its positions (log-softmax in float32 over the row's n emitted positions, by ATen's kernel as there),
+// its top N as torch's topk selects them (top_n, or topk itself where a tie straddles the N-th place), ordered by
+// value then id. -> (vals [R, 1 + Nmax] float32: the emitted token's log-probability, then the top N values; ids
+// [R, Nmax] int64: their ids, -1 padded), R = the asking rows' emitted tokens in row order.
 std::tuple<at::Tensor, at::Tensor> emitted_logprobs(const float* logits, int64_t V, const int32_t* qs, int64_t B,
                                                     const int64_t* o, int64_t ld, const int32_t* top,
                                                     const at::TensorOptions& f32, const at::TensorOptions& i64) {
@@ -196,9 +217,11 @@ std::tuple<at::Tensor, at::Tensor> emitted_logprobs(const float* logits, int64_t
       R += o[b * ld];
       nmax = std::max<int64_t>(nmax, std::min<int64_t>(top[b], V));
     }
-  at::Tensor vals = at::zeros({R, 1 + nmax}, f32), ids = at::full({R, nmax}, -1, i64);
+  at::Tensor vals = at::empty({R, 1 + nmax}, f32), ids = at::empty({R, nmax}, i64);
   float* pv = vals.data_ptr<float>();
   int64_t* pi = ids.data_ptr<int64_t>();
+  std::fill_n(pv, R * (1 + nmax), 0.f);
+  std::fill_n(pi, R * nmax, int64_t{-1});
   std::vector<std::pair<float, int64_t>> pairs;
   for (int64_t b = 0, r = 0; b < B; ++b) {
     if (top[b] < 0) continue;
@@ -207,21 +230,20 @@ std::tuple<at::Tensor, at::Tensor> emitted_logprobs(const float* logits, int64_t
     const at::Tensor raw = at::from_blob(const_cast<float*>(logits + qs[b] * V), {n, V}, f32);
     const at::Tensor lp = at::log_softmax(raw, -1);
     const float* l = lp.data_ptr<float>();
-    for (int64_t j = 0; j < n; ++j) pv[(r + j) * (1 + nmax)] = l[j * V + o[b * ld + 1 + j]];
-    if (N) {
-      const auto [tv, ti] = at::topk(lp, N, -1, true, true);
-      const float* v = tv.data_ptr<float>();
-      const int64_t* id = ti.data_ptr<int64_t>();
-      for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0; j < n; ++j) {
+      pv[(r + j) * (1 + nmax)] = l[j * V + o[b * ld + 1 + j]];
+      if (!N) continue;
+      if (!top_n(l + j * V, V, N, pairs)) {
+        const auto [tv, ti] = at::topk(lp[j], N, -1, true, true);
         pairs.clear();
-        for (int64_t k = 0; k < N; ++k) pairs.emplace_back(v[j * N + k], id[j * N + k]);
+        for (int64_t k = 0; k < N; ++k) pairs.emplace_back(tv.data_ptr<float>()[k], ti.data_ptr<int64_t>()[k]);
         std::sort(pairs.begin(), pairs.end(), [](const auto& x, const auto& y) {
           return x.first > y.first || (x.first == y.first && x.second < y.second);
         });
-        for (int64_t k = 0; k < N; ++k) {
-          pv[(r + j) * (1 + nmax) + 1 + k] = pairs[k].first;
-          pi[(r + j) * nmax + k] = pairs[k].second;
-        }
+      }
+      for (int64_t k = 0; k < N; ++k) {
+        pv[(r + j) * (1 + nmax) + 1 + k] = pairs[k].first;
+        pi[(r + j) * nmax + k] = pairs[k].second;
       }
     }
     r += n;

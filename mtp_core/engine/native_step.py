@@ -20,9 +20,9 @@ seq.mtp.pending (speculative/backlog.py), as on the general path, so a step in w
 what decoding without MTP costs. A lagging row that drafts again catches up inside the call (its pending
 states go in as its window). Out of scope (the step runs through the general path): prefill rows (prompt
 logprobs included), sampled rows, relaxed acceptance in the thinking phase, injected drafters and the overlap
-scheduler. `target()`
-runs the target forward and the verification of a greedy batch in one call for the general path (rows
-whose MTP state the call cannot bring up to date) and hands the hidden states to its drafter.
+scheduler. `target()` runs the target forward and the verification of a greedy batch in one call for the
+general path (rows whose MTP state the call cannot bring up to date) and hands the hidden states to its
+drafter.
 """
 from __future__ import annotations
 
@@ -223,7 +223,9 @@ class NativeStep:
             self.confidence if drafting else 0.0, **(logits or {}))
         out = out.tolist()
         top = logits.get("top_logprobs") if logits else None
-        return out, hidden, windows, None if top is None else unpack_logprobs(out, top.tolist(), lp_vals, lp_ids)
+        return out, hidden, windows, None if top is None else \
+            unpack_logprobs(out, [r.seq.params.logprobs if r.seq.params.logprobs is not None else -1 for r in rows],
+                            lp_vals, lp_ids)
 
 
 class RowLogits(NamedTuple):
@@ -241,28 +243,37 @@ def pack_logits_args(rows: list[RowLogits]) -> dict:
     (every position's rule entries, in batch order), accept_cap / mask_of / masks (each position's mask, the most
     drafts each row may accept) and top_logprobs; a group is left out when no row needs it."""
     args: dict = {}
-    if any(r.rules is not None for r in rows):
-        counts = [0]
+    rules = [r for r in rows if r.rules is not None]
+    if rules:
+        start, at = [0], 0
         for r in rows:
-            counts.extend([r.rules[2] if r.rules is not None else 0] * r.n)
-        args["rule_start"] = _i32(np.cumsum(counts).tolist())
-        ids = [r.rules[0] for r in rows if r.rules is not None]
-        vals = [r.rules[1] for r in rows if r.rules is not None]
-        args["rule_ids"] = torch.from_numpy(np.concatenate(ids) if len(ids) > 1 else ids[0])
-        args["rule_vals"] = torch.from_numpy(np.concatenate(vals) if len(vals) > 1 else vals[0])
-    if any(r.masks is not None for r in rows):
-        mask_of, masks, first = [], [], 0
+            u = r.rules[2] if r.rules is not None else 0
+            for _ in range(r.n):
+                at += u
+                start.append(at)
+        args["rule_start"] = _i32(start)
+        args["rule_ids"] = torch.from_numpy(rules[0].rules[0] if len(rules) == 1 else
+                                            np.concatenate([r.rules[0] for r in rules]))
+        args["rule_vals"] = torch.from_numpy(rules[0].rules[1] if len(rules) == 1 else
+                                             np.concatenate([r.rules[1] for r in rules]))
+    guided = [r.masks[0] for r in rows if r.masks is not None]
+    if guided:
+        mask_of: list[int] = []
+        cap, first = [], 0
         for r in rows:
             if r.masks is None:
-                mask_of.extend([-1] * r.n)
+                mask_of += [-1] * r.n
+                cap.append(r.n - 1)
                 continue
-            m, has, _ = r.masks
-            mask_of.extend([first + i if h else -1 for i, h in enumerate(has)] + [-1] * (r.n - len(has)))
-            masks.append(m)
-            first += len(m)
-        args["accept_cap"] = _i32([r.masks[2] if r.masks is not None else r.n - 1 for r in rows])
+            m, has, c = r.masks
+            for h in has:
+                mask_of.append(first if h else -1)
+                first += 1
+            mask_of += [-1] * (r.n - len(has))
+            cap.append(c)
+        args["accept_cap"] = _i32(cap)
         args["mask_of"] = _i32(mask_of)
-        args["masks"] = torch.cat(masks) if len(masks) > 1 else masks[0]
+        args["masks"] = guided[0] if len(guided) == 1 else torch.cat(guided)
     if any(r.top >= 0 for r in rows):
         args["top_logprobs"] = _i32([r.top for r in rows])
     return args
@@ -278,7 +289,8 @@ def unpack_logprobs(out: list[list[int]], top: list[int], vals: torch.Tensor, id
         if n < 0:
             result.append(None)
             continue
-        result.append([(t, v[at + j][0], list(zip(i[at + j][:n], v[at + j][1:1 + n])))
-                       for j, t in enumerate(row[1:1 + row[0]])])
-        at += row[0]
+        m = row[0]
+        result.append([(t, vr[0], list(zip(ir[:n], vr[1:n + 1])))
+                       for t, vr, ir in zip(row[1:1 + m], v[at:at + m], i[at:at + m])])
+        at += m
     return result
