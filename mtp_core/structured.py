@@ -218,6 +218,9 @@ def guided_masks(backend: GrammarBackend, guide: Guide, drafts: list[int], think
     fill, stops = matcher.fill_next_token_bitmask, backend.stop_ids
     start, end = think_ids if think_ids is not None else (-1, -1)
     n, cap, taken = 0, len(drafts), 0
+    # verify_guided_row asks is_terminated() before each draft it feeds; the matcher terminates only by accepting a
+    # stop token (xgrammar's default), which the walk never feeds, so the answer is the same all along: ask once
+    terminated = matcher.is_terminated()
     thinks: Optional[list[bool]] = [] if think_ids is not None else None
     for i in range(len(drafts) + 1):
         n += 1
@@ -236,7 +239,7 @@ def guided_masks(backend: GrammarBackend, guide: Guide, drafts: list[int], think
         elif d == end:
             thinking = False
         elif not thinking:
-            if matcher.is_terminated() or not matcher.accept_token(d):
+            if terminated or not matcher.accept_token(d):
                 cap = i
                 break
             taken += 1

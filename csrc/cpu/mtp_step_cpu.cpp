@@ -98,12 +98,24 @@ struct LogitsRules {
     }
   }
 
-  // the target's choice at position t: the argmax of the processed logits (first index on ties)
+  // the target's choice at position t: the argmax of the processed, masked logits (first index on ties)
   int64_t choose(const float* x, int64_t V, int64_t t, std::vector<float>& scratch) const {
     if (!touches(t)) return argmax_row(x, V);
-    scratch.resize(V);
-    apply(x, V, t, scratch.data());
-    return argmax_row(scratch.data(), V);
+    if (start && start[t + 1] > start[t]) {
+      scratch.resize(V);
+      apply(x, V, t, scratch.data());
+      return argmax_row(scratch.data(), V);
+    }
+    // a mask alone: the first allowed token of the largest value, in one pass over the allowed ones; when every
+    // allowed one is -inf (or none is allowed) every masked value is -inf too, and argmax_row's answer is 0
+    const int32_t* bits = masks + mask_of[t] * words;
+    int64_t best = -1;
+    for (int64_t w = 0; w < words; ++w)
+      for (uint32_t m = static_cast<uint32_t>(bits[w]); m; m &= m - 1) {
+        const int64_t i = w * 32 + __builtin_ctz(m);
+        if (i < V && (best < 0 || x[i] > x[best])) best = i;
+      }
+    return best < 0 || x[best] == -INFINITY ? 0 : best;
   }
 };
 

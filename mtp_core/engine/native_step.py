@@ -174,29 +174,31 @@ class NativeStep:
 
     # ---- rows that need their logits --------------------------------------------------------
     def _logits_args(self, rows: list[ScheduledRow]) -> Optional[dict]:
-        """mtp_step's inputs for the rows that need their logits (pack_logits_args), None when no row does."""
-        if not any(r.seq.params.needs_logits for r in rows):
-            return None
-        return pack_logits_args([self._row_logits(r) for r in rows])
-
-    def _row_logits(self, r: ScheduledRow) -> RowLogits:
-        """One row's logprobs, logits processing (PenaltyRules.at over its output and drafts) and grammar masks
+        """mtp_step's inputs for the rows that need their logits (pack_logits_args), None when no row does: each
+        row's logprobs, logits processing (PenaltyRules.at over its output and drafts) and grammar masks
         (guided_masks), where it asks for them."""
-        seq, n = r.seq, len(r.token_ids)
-        p = seq.params
-        if not p.needs_logits:
-            return RowLogits(n)
-        rules = masks = None
-        if p.processes_logits:
-            if seq.penalty_rules is None:
-                stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-                seq.penalty_rules = PenaltyRules(p, seq.prompt_ids, stop_ids, self.native.vocab)
-            rules = seq.penalty_rules.at(seq.output_ids, r.token_ids[1:])
-        if seq.matcher is not None:
-            after_think = p.guided_after_think and self.think_ids is not None
-            masks = guided_masks(seq.matcher.backend, seq.matcher, r.token_ids[1:], after_think and seq.in_thinking,
-                                 self.think_ids if after_think else None)
-        return RowLogits(n, -1 if p.logprobs is None else p.logprobs, rules, masks)
+        need = [r.seq.params.needs_logits for r in rows]
+        if not any(need):
+            return None
+        specs = []
+        for r, asks in zip(rows, need):
+            seq, n = r.seq, len(r.token_ids)
+            if not asks:
+                specs.append(RowLogits(n))
+                continue
+            p = seq.params
+            rules = masks = None
+            if p.processes_logits:
+                if seq.penalty_rules is None:
+                    stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+                    seq.penalty_rules = PenaltyRules(p, seq.prompt_ids, stop_ids, self.native.vocab)
+                rules = seq.penalty_rules.at(seq.output_ids, r.token_ids[1:])
+            if seq.matcher is not None:
+                after_think = p.guided_after_think and self.think_ids is not None
+                masks = guided_masks(seq.matcher.backend, seq.matcher, r.token_ids[1:],
+                                     after_think and seq.in_thinking, self.think_ids if after_think else None)
+            specs.append(RowLogits(n, -1 if p.logprobs is None else p.logprobs, rules, masks))
+        return pack_logits_args(specs)
 
     def _call(self, rows: list[ScheduledRow], limits: list[int], mtp_layer: int
               ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, Optional[list]]:
