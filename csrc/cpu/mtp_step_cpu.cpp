@@ -199,19 +199,38 @@ void verify_greedy_rows(const float* logits, int64_t V, const int64_t* tok, cons
 // algorithm, so the caller asks torch then. Otherwise the set is determined (every value above the n-th, every one
 // equal to it), whatever algorithm selects it.
 bool top_n(const float* x, int64_t V, int64_t n, std::vector<std::pair<float, int64_t>>& top) {
+  // blocks of 32 values: their maxima first (and a NaN check), then only the blocks that can hold a top value
+  constexpr int64_t kB = 32;
+  const int64_t nb = (V + kB - 1) / kB;
+  thread_local std::vector<float> bmax;
+  bmax.resize(nb);
+  bool nan = false;
+  for (int64_t b = 0; b < nb; ++b) {
+    float m = -INFINITY;
+    for (int64_t i = b * kB; i < std::min(V, (b + 1) * kB); ++i) {
+      nan |= x[i] != x[i];
+      m = x[i] > m ? x[i] : m;
+    }
+    bmax[b] = m;
+  }
+  if (nan) return false;
   top.clear();
-  for (int64_t i = 0; i < V; ++i) {
-    const float v = x[i];
-    if (std::isnan(v)) return false;
-    if (static_cast<int64_t>(top.size()) == n && !(v > top.back().first)) continue;
-    auto at = std::upper_bound(top.begin(), top.end(), v, [](float a, const auto& e) { return a > e.first; });
-    top.insert(at, {v, i});               // after the equal ones: they have lower ids
-    if (static_cast<int64_t>(top.size()) > n) top.pop_back();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (static_cast<int64_t>(top.size()) == n && !(bmax[b] > top.back().first)) continue;
+    for (int64_t i = b * kB; i < std::min(V, (b + 1) * kB); ++i) {
+      const float v = x[i];
+      if (static_cast<int64_t>(top.size()) == n && !(v > top.back().first)) continue;
+      auto at = std::upper_bound(top.begin(), top.end(), v, [](float a, const auto& e) { return a > e.first; });
+      top.insert(at, {v, i});             // after the equal ones: they have lower ids
+      if (static_cast<int64_t>(top.size()) > n) top.pop_back();
+    }
   }
   const float last = top.back().first;
   int64_t kept = 0, all = 0;
   for (const auto& e : top) kept += e.first == last;
-  for (int64_t i = 0; i < V; ++i) all += x[i] == last;
+  for (int64_t b = 0; b < nb; ++b)
+    if (!(bmax[b] < last))
+      for (int64_t i = b * kB; i < std::min(V, (b + 1) * kB); ++i) all += x[i] == last;
   return kept == all;
 }
 
