@@ -161,12 +161,17 @@ class PenaltyRules:
         self.counted = bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
         self.bias = {t: float(np.float32(b)) for t, b in p.logit_bias.items()}
         self.in_prompt = set(prompt_ids) if p.repetition_penalty != 1.0 else set()
-        self.index: dict[int, int] = {}                   # token -> its entry
-        self.counts: list[int] = []                       # per entry: the token's count over the output
-        self.ids = np.empty(64, dtype=np.int64)
-        self.vals = np.empty((64, 4), dtype=np.float32)
-        for t in (*self.bias, *sorted(self.in_prompt)):
-            self._touch(t)
+        # the entries so far: logit_bias's tokens, then the prompt's (a repetition penalty), none counted yet
+        first = list(self.bias) + sorted(self.in_prompt.difference(self.bias))
+        self.index: dict[int, int] = {t: i for i, t in enumerate(first)}   # token -> its entry
+        self.counts: list[int] = [0] * len(first)                           # per entry: its count over the output
+        size = max(64, 1 << len(first).bit_length())
+        self.ids, self.vals = np.empty(size, dtype=np.int64), np.empty((size, 4), dtype=np.float32)
+        self.ids[:len(first)] = first
+        self.vals[:len(first)] = (0.0, 1.0, 0.0, 0.0)
+        self.vals[:len(self.bias), 0] = list(self.bias.values())
+        if self.in_prompt:
+            self.vals[:len(first), 1] = [self.rep if t in self.in_prompt else 1.0 for t in first]
         self.num_counted = 0
 
     def _entry(self, t: int, count: int) -> tuple:
