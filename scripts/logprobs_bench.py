@@ -60,13 +60,17 @@ def main() -> None:
             tokens[name] = out.token_ids
             al[name] = out.stats.num_output_tokens / max(out.stats.num_steps, 1)
     base = statistics.median(times["plain"])
-    print(f"{'request':<24} {'tokens/s (median)':>18} {'vs plain':>9} {'AL':>6}  same tokens")
+    print(f"{'request':<24} {'tokens/s (median)':>18} {'vs plain':>9} {'paired (IQR)':>26} {'AL':>6}  same tokens")
     for name in kinds:
         med = statistics.median(times[name])
         n = min(len(tokens[name]), len(tokens["plain"]))
         same = "yes" if tokens[name][:n] == tokens["plain"][:n] else \
             ("n/a" if "penalty" in name or "json" in name else "NO")
-        print(f"{name:<24} {med:>18.1f} {med / base - 1:>+8.1%} {al[name]:>6.2f}  {same}")
+        # each repeat against the plain run just before it (drift on a shared machine cancels): median, quartiles
+        ratios = [x / p - 1 for x, p in zip(times[name], times["plain"])]
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        paired = f"{statistics.median(ratios):+.1%} ({q[0]:+.1%} .. {q[2]:+.1%})"
+        print(f"{name:<24} {med:>18.1f} {med / base - 1:>+8.1%} {paired:>26} {al[name]:>6.2f}  {same}")
 
 
 if __name__ == "__main__":
