@@ -26,7 +26,7 @@ setup(
     package_data={"mtp_core": ["assets/*/*", "assets/*/*/*"]},
     include_package_data=True,
     python_requires=">=3.10",
-    install_requires=["torch>=2.4", "typer>=0.12", "rich", "pyyaml", "safetensors", "tokenizers", "jinja2",
+    install_requires=["torch>=2.4", "numpy", "typer>=0.12", "rich", "pyyaml", "safetensors", "tokenizers", "jinja2",
                       "fastapi>=0.110", "uvicorn>=0.29", "httpx>=0.27",    # `mtp serve`, `mtp bench --base_url`
                       "msgspec>=0.18",                                      # serve: API <-> engine process messages
                       # serve: response_format, structured_outputs, forced tool calls (xgrammar asks for torch>=1.10,

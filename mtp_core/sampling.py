@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -73,7 +74,8 @@ class SamplingParams:
 
     @property
     def needs_logits(self) -> bool:
-        """The engine must see this request's logits (the fused native / CUDA-graph steps return only tokens)."""
+        """The engine must see this request's logits: the native CPU step prepares what they need along the drafts
+        (engine/native_step.py), the CUDA-graph step returns only tokens (the general path runs such a batch)."""
         return (self.processes_logits or self.logprobs is not None or self.prompt_logprobs is not None
                 or self.guided is not None)
 
@@ -125,6 +127,101 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
         if p.presence_penalty:
             row -= p.presence_penalty * (counts > 0).float()
     return x
+
+
+class PenaltyRules:
+    """One request's process_logits as the native step takes it (mtp_step's rule entries, applied by LogitsRules in
+    csrc/cpu/mtp_step_cpu.cpp): at each position i of a verify row [t, d_1..d_k], one entry per token that
+    process_logits changes there, (token, bias, rep, freq, pres) in float32, such that
+
+        y = bias == -inf ? -inf : x + bias;  y = y > 0 ? y / rep : y * rep;  y = y - freq;  y = y - pres
+
+    is process_logits' value at that token (the same float32 operations in the same order; the sign of a zero
+    aside) and every other token keeps its raw logit. bias: logit_bias's value, -inf where min_tokens masks a stop
+    token at that position; rep: the repetition penalty for a token seen in the prompt, the output or d_1..d_i,
+    else 1; freq: float32(frequency_penalty) x the token's count over the output and d_1..d_i; pres: the presence
+    penalty if that count is > 0, else 0. Every position lists the same tokens (the ones any of them touches).
+
+    Worked example (process_logits' docstring; V = 4, frequency 1.0, output [2], drafts [2]): tokens [2] at both
+    positions, freq 1.0 then 2.0: logits [1, 1, 3, 0] -> [1, 1, 2, 0] and [1, 1, 1, 0].
+
+    Built once per request; it keeps one entry per token touched so far (logit_bias's, the prompt's with a
+    repetition penalty, the output's and the drafts' with any penalty, the stop tokens with min_tokens) and updates
+    it as the output grows (`at` is called with the output so far, which only grows, preemption included); a
+    position's entries are those, with the counts of the drafts before it added."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], stop_ids: list[int], vocab: int) -> None:
+        p = params
+        self.min_tokens = p.min_tokens
+        self.stops = sorted({t for t in stop_ids if 0 <= t < vocab})
+        # as float32 values (process_logits multiplies float32 tensors by them); count x freq is exact in a double
+        # (24 + 31 bits at most), so storing it into float32 rounds it once, as a float32 product does
+        self.rep, self.freq, self.pres = (float(np.float32(p.repetition_penalty)), float(np.float32(p.frequency_penalty)),
+                                          float(np.float32(p.presence_penalty)))
+        self.counted = bool(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty)
+        self.bias = {t: float(np.float32(b)) for t, b in p.logit_bias.items()}
+        self.in_prompt = set(prompt_ids) if p.repetition_penalty != 1.0 else set()
+        # the entries so far: logit_bias's tokens, then the prompt's (a repetition penalty), none counted yet
+        first = list(self.bias) + sorted(self.in_prompt.difference(self.bias))
+        self.index: dict[int, int] = {t: i for i, t in enumerate(first)}   # token -> its entry
+        self.counts: list[int] = [0] * len(first)                           # per entry: its count over the output
+        size = max(64, 1 << len(first).bit_length())
+        self.ids, self.vals = np.empty(size, dtype=np.int64), np.empty((size, 4), dtype=np.float32)
+        self.ids[:len(first)] = first
+        self.vals[:len(first)] = (0.0, 1.0, 0.0, 0.0)
+        self.vals[:len(self.bias), 0] = list(self.bias.values())
+        if self.in_prompt:
+            self.vals[:len(first), 1] = [self.rep if t in self.in_prompt else 1.0 for t in first]
+        self.num_counted = 0
+
+    def _entry(self, t: int, count: int) -> tuple:
+        """(bias, rep, freq, pres) of token t after `count` occurrences (process_logits' float32 values)."""
+        seen = count > 0 or t in self.in_prompt
+        return self.bias.get(t, 0.0), self.rep if seen else 1.0, self.freq * count, self.pres if count > 0 else 0.0
+
+    def _touch(self, t: int) -> int:
+        i = self.index.get(t)
+        if i is None:
+            i = self.index[t] = len(self.counts)
+            self.counts.append(0)
+            if i == len(self.ids):
+                self.ids = np.concatenate([self.ids, np.empty_like(self.ids)])
+                self.vals = np.concatenate([self.vals, np.empty_like(self.vals)])
+            self.ids[i] = t
+            self.vals[i] = self._entry(t, 0)
+        return i
+
+    def at(self, output_ids: list[int], drafts: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+        """-> (ids [n * u] int64, vals [n * u, 4] float32, u): the entries of the row's n = len(drafts) + 1
+        positions in order, u per position."""
+        if self.counted:
+            for t in output_ids[self.num_counted:]:
+                i = self._touch(t)
+                self.counts[i] += 1
+                self.vals[i] = self._entry(t, self.counts[i])
+            for t in drafts:
+                self._touch(t)
+        self.num_counted = len(output_ids)
+        n = len(drafts) + 1
+        masked = [i for i in range(n) if len(output_ids) + i < self.min_tokens] if self.stops else []
+        for t in self.stops if masked else ():
+            self._touch(t)
+        u = len(self.counts)
+        ids, vals = np.empty((n, u), dtype=np.int64), np.empty((n, u, 4), dtype=np.float32)
+        ids[:] = self.ids[:u]
+        vals[:] = self.vals[:u]
+        ids, vals = ids.reshape(n * u), vals.reshape(n * u, 4)
+        if self.counted and drafts:           # position i: the counts of d_1..d_i added
+            extra: dict[int, int] = {}
+            for i, d in enumerate(drafts, 1):
+                extra[d] = extra.get(d, 0) + 1
+                for t, e in extra.items():
+                    j = self.index[t]
+                    vals[i * u + j] = self._entry(t, self.counts[j] + e)
+        for i in masked:                      # min_tokens: the stop tokens cannot be chosen here
+            for t in self.stops:
+                vals[i * u + self.index[t], 0] = -np.inf
+        return ids, vals, u
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[tuple[int, float, list[tuple[int, float]]]]:

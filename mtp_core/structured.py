@@ -26,6 +26,7 @@ import re
 import threading
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from mtp_core.sampling import SamplingParams, sample_tokens
@@ -96,7 +97,8 @@ class GrammarBackend:
         forbid = self.forbid
         if guided[0] in ("json_object", "json_schema"):
             forbid = self._json_forbid()
-        return Guide(self.xgr.GrammarMatcher(self.compile(guided), max_rollback_tokens=self.max_rollback), forbid)
+        return Guide(self.xgr.GrammarMatcher(self.compile(guided), max_rollback_tokens=self.max_rollback), forbid,
+                     self)
 
     def _json_forbid(self) -> list[int]:
         """JSON (compact, as compiled here) never needs a byte below 0x20, and inside a string such a byte must be
@@ -152,8 +154,11 @@ def tool_calls_grammar(xgr: Any, spec: dict) -> Any:
 class Guide:
     """A request's grammar matcher and the token ids it never allows (think tokens; control bytes for JSON)."""
 
-    def __init__(self, matcher: Any, forbid: list[int]) -> None:
-        self.matcher, self.forbid = matcher, forbid
+    def __init__(self, matcher: Any, forbid: list[int], backend: Optional[GrammarBackend] = None) -> None:
+        self.matcher, self.forbid, self.backend = matcher, forbid, backend
+        self.masks: Optional[torch.Tensor] = None    # guided_masks' rows, kept from step to step
+        self.masks_np: Optional[np.ndarray] = None   # ... and a numpy view of them
+        self.allowed: Optional[np.ndarray] = None    # [words] int32: every bit set but the forbidden tokens'
 
     def accept_token(self, tok: int) -> bool:
         return self.matcher.accept_token(tok)
@@ -191,3 +196,55 @@ def verify_guided_row(backend: GrammarBackend, matcher: "Guide", logits: torch.T
     if taken:
         matcher.rollback(taken)
     return out
+
+
+def guided_masks(backend: GrammarBackend, guide: Guide, drafts: list[int], thinking: bool,
+                 think_ids: Optional[tuple[int, int]]) -> tuple[torch.Tensor, list[bool], int]:
+    """verify_guided_row's masks for the native step, made before the target's logits exist: the row [t, d_1..d_k]
+    walks its drafts as if each were accepted, and position i's mask is the one verify_guided_row uses there once
+    d_1..d_i are accepted (the forbidden tokens cleared too). Where verify_guided_row would stop even on a match (a
+    stop token, the grammar's end or a draft it rejects, after draft i) no later position is reached, so the walk
+    stops and the row may accept at most i drafts. Returns (masks [n, ceil(V / 32)] int32, xgrammar's layout: a set
+    bit allows the token; whether each of the n positions has a mask (none inside <think> with guided_after_think);
+    the most drafts the row may accept). The matcher is left where it was."""
+    if guide.masks is None or guide.masks.shape[0] < len(drafts) + 1:
+        guide.masks = backend.xgr.allocate_token_bitmask(len(drafts) + 1, backend.vocab_size)
+        guide.masks_np = guide.masks.numpy()
+    if guide.forbid and guide.allowed is None:
+        bits = np.ones(guide.masks.shape[1] * 32, dtype=bool)
+        bits[guide.forbid] = False                        # bit t % 32 of word t // 32 (little-endian words)
+        guide.allowed = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+    matcher, masks = guide.matcher, guide.masks
+    fill, stops = matcher.fill_next_token_bitmask, backend.stop_ids
+    start, end = think_ids if think_ids is not None else (-1, -1)
+    n, cap, taken = 0, len(drafts), 0
+    # verify_guided_row asks is_terminated() before each draft it feeds; the matcher terminates only by accepting a
+    # stop token (xgrammar's default), which the walk never feeds, so the answer is the same all along: ask once
+    terminated = matcher.is_terminated()
+    thinks: Optional[list[bool]] = [] if think_ids is not None else None
+    for i in range(len(drafts) + 1):
+        n += 1
+        if thinks is not None:
+            thinks.append(thinking)
+        if not thinking:
+            fill(masks, i)
+        if i == len(drafts):
+            break
+        d = drafts[i]
+        if not thinking and d in stops:
+            cap = i
+            break
+        if d == start:
+            thinking = True
+        elif d == end:
+            thinking = False
+        elif not thinking:
+            if terminated or not matcher.accept_token(d):
+                cap = i
+                break
+            taken += 1
+    if taken:
+        matcher.rollback(taken)
+    if guide.allowed is not None:
+        np.bitwise_and(guide.masks_np[:n], guide.allowed, out=guide.masks_np[:n])
+    return masks[:n], [True] * n if thinks is None else [not t for t in thinks], cap

@@ -286,11 +286,20 @@ def test_engine_random_acceptance_patterns(tiny1_model, K, tpb, batch, pattern, 
 def test_close_stops_the_overlap_worker(tiny1_dir, make_llm):
     """close() joins the overlap scheduler's worker thread at once, even while something still holds the
     engine (without it the thread lives until the engine is garbage-collected)."""
+    import gc
     import threading
+    import time
 
     def workers() -> int:
         return sum(t.name.startswith("mtp-overlap") and t.is_alive() for t in threading.enumerate())
 
+    # an engine of an earlier test that is garbage but not yet collected (a reference cycle: a test that patched
+    # eng.step) keeps its worker until a collection; let it go first, or it may go in the middle of this test
+    gc.collect()
+    for _ in range(200):
+        if not workers():
+            break
+        time.sleep(0.01)
     before = workers()
     llm = make_llm(tiny1_dir, nextn=2, mode="eagle")
     assert llm.engine.overlap

@@ -141,9 +141,9 @@ def test_native_vanilla_step_refuses_short_windows(models) -> None:
         call(1)
     with pytest.raises(RuntimeError, match="window of 2 positions"):
         call(2, valid=7)                                  # positions 7..9 lag: 3 stored ones needed
-    out, hidden, window = call(2)
+    out, hidden, window, _, _ = call(2)
     assert out.shape == (1, 1 + 4 + 3) and hidden.shape == (4, H) and window.shape == (1, 3, H)
-    out, _, window = call(0, num_drafts=0)                # no drafts: no MTP forward, no window needed
+    out, _, window, _, _ = call(0, num_drafts=0)                # no drafts: no MTP forward, no window needed
     assert (out[0, 5:] == -1).all() and window.numel() == 0
     with pytest.raises(RuntimeError, match="wants 4 drafts from 3"):
         call(2, num_drafts=4, ids=(5,))
@@ -188,3 +188,105 @@ def test_native_step_lets_rows_without_drafts_lag_and_catches_them_up(models) ->
         assert [s.output_ids for s in seqs] == [reference(model, p, MAX_TOKENS) for p in prompts], mode
         assert sum(lagged) > 0 and checked > 0, f"{mode}: no native step caught a lagging row up"
         assert eng.stats.num_draft_accepted > 0
+
+
+# ---- rows that need their logits stay on the call ---------------------------------------------------------------
+
+LOGITS_KINDS = [greedy(MAX_TOKENS, logprobs=5), greedy(MAX_TOKENS, logprobs=0, frequency_penalty=1.5),
+                greedy(MAX_TOKENS, presence_penalty=2.0, logprobs=2),
+                greedy(MAX_TOKENS, repetition_penalty=1.8, logit_bias={208: -100.0, 453: -100.0, 77: 0.5}),
+                SamplingParams(max_tokens=MAX_TOKENS, min_tokens=6, logit_bias={2: 8.0}, logprobs=1),
+                greedy(MAX_TOKENS, frequency_penalty=-0.5, presence_penalty=0.5, repetition_penalty=1.3, logprobs=20),
+                greedy(MAX_TOKENS)]
+
+
+def on_the_call(eng) -> list[int]:
+    """Counts the pure-decode steps the general path's runner ran (none may: they all belong to the native call)."""
+    general = [0]
+    execute = eng.runner.execute
+
+    def recording(rows, meta=None):
+        general[0] += all(not r.is_prefill for r in rows)
+        return execute(rows, meta)
+    eng.runner.execute = recording
+    return general
+
+
+@pytest.mark.parametrize("ckpt,K,mode", [("tiny1", 0, "eagle"), ("tiny1", 3, "eagle"), ("tiny3", 2, "eagle"),
+                                         ("tiny3", 3, "vanilla")])
+def test_rows_that_need_logits_stay_on_the_native_step_and_equal_plain_decoding(models, ckpt, K, mode) -> None:
+    """A batch mixing logprobs (top 0..20), every penalty, logit_bias and min_tokens with plain rows: every decode
+    step is one native call, and each request's tokens and float32 logprobs are bitwise those of the general path
+    with the same settings, and of plain decoding alone without MTP."""
+    model = models[ckpt]
+    plist = [LOGITS_KINDS[i % len(LOGITS_KINDS)] for i in range(len(PROMPTS))]
+    general, native = engines(model, nextn=K, mode=mode, max_batch_size=8)
+    runs = []
+    for eng in (general, native):
+        seqs = run_to_end(eng, PROMPTS, plist)
+        runs.append([(s.output_ids, s.logprobs) for s in seqs])
+    assert runs[0] == runs[1]
+    seen = on_the_call(native)
+    seqs = run_to_end(native, PROMPTS, plist)
+    assert [(s.output_ids, s.logprobs) for s in seqs] == runs[1]
+    assert seen[0] == 0 and native.native_step.num_replays > 0
+    for p, sp, s in zip(PROMPTS, plist, seqs):
+        alone = run_to_end(make_engine(model, max_batch_size=1), [p], sp)[0]
+        assert s.output_ids == alone.output_ids and s.logprobs == alone.logprobs
+        if sp.logprobs is not None:
+            assert len(s.logprobs) == len(s.output_ids) > 0
+    if K:
+        assert native.stats.num_draft_accepted > 0
+
+
+def test_rows_that_need_logits_verify_in_one_call_on_the_general_step(models) -> None:
+    """When the whole step cannot run as one call (step_for refuses: here always), a greedy batch still runs its
+    target forward and verification as one call (NativeStep.target), then the eager drafter; rows with logprobs
+    and penalties included, under a policy that lets rows lag: output and logprobs stay those of plain decoding."""
+    model = models["tiny3"]
+    prompts = PROMPTS[:4]
+    plist = [greedy(MAX_TOKENS, logprobs=3, frequency_penalty=0.7), greedy(MAX_TOKENS, logprobs=1),
+             greedy(MAX_TOKENS, repetition_penalty=1.4), greedy(MAX_TOKENS)]
+    for mode in ("eagle", "vanilla"):
+        _, eng = engines(model, nextn=3, mode=mode, max_batch_size=4, spec=dict(draft_len_policy="cost"))
+        eng.native_step.step_for = lambda rows: None
+        targets = [0]
+        target = eng.native_step.target
+
+        def counting(rows, target=target):
+            targets[0] += 1
+            return target(rows)
+        eng.native_step.target = counting
+        seen = on_the_call(eng)
+        seqs = run_to_end(eng, prompts, plist)
+        for p, sp, s in zip(prompts, plist, seqs):
+            alone = run_to_end(make_engine(model, max_batch_size=1), [p], sp)[0]
+            assert s.output_ids == alone.output_ids and s.logprobs == alone.logprobs, mode
+        assert seen[0] == 0 and targets[0] > 0 and eng.stats.num_draft_accepted > 0
+
+
+def test_logprob_ties_are_ordered_as_the_general_path(tiny1_dir, tmp_path) -> None:
+    """A checkpoint whose LM head repeats every even token's row for the next odd token: every logit, and so every
+    log-probability, comes in tied pairs, and each top-N list holds ties (ordered by id) and, with N odd, a pair
+    cut at its end (torch's topk decides which one stays). The native step's logprobs equal the general path's."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mtp_core.loader import load_model
+
+    ckpt = tmp_path / "tied"
+    shutil.copytree(tiny1_dir, ckpt)
+    state = load_file(str(ckpt / "model.safetensors"))
+    head = state["lm_head.weight"].clone()
+    head[1::2] = head[0::2]
+    state["lm_head.weight"] = head
+    save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    model = load_model(ckpt, "float32")[0]
+    plist = [greedy(12, logprobs=n) for n in (1, 2, 3, 5, 8)]
+    runs = []
+    for eng in engines(model, nextn=1, mode="eagle", max_batch_size=5):
+        runs.append([s.logprobs for s in run_to_end(eng, PROMPTS[:5], plist)])
+    assert eng.native_step.num_replays > 0 and runs[0] == runs[1]
+    tops = [e[2] for row in runs[1] for e in row]
+    assert any(a[1] == b[1] and a[0] + 1 == b[0] for t in tops for a, b in zip(t, t[1:])), "no tied pair"

@@ -417,3 +417,127 @@ def test_native_verification_equals_the_eager_verifier_on_random_rows():
         rows.append(([int(torch.randint(0, V, (1,), generator=g))] + drafts, lg))
         want.append(verify_strict(lg[None], torch.tensor([drafts], dtype=torch.long).view(1, k)).tokens[0])
     assert native_verify(rows) == want
+
+
+# ---- the native step's logits processing (LogitsRules in csrc/cpu/mtp_step_cpu.cpp), held to process_logits -------
+
+def native_rules(logits: torch.Tensor, fed: list[list[int]], rows: list) -> tuple[list[list[int]], torch.Tensor]:
+    """Rows fed [t, d_1..d_k] with their RowLogits (native_step.py) -> (verify_greedy's emitted tokens per row, the
+    processed logits apply_logits_rules gives for every position)."""
+    from mtp_core.engine.native_step import pack_logits_args
+
+    args = pack_logits_args(rows)
+    args.pop("top_logprobs", None)
+    qs = torch.tensor([0] + [sum(len(f) for f in fed[:i + 1]) for i in range(len(fed))], dtype=torch.int32)
+    ids = torch.tensor([t for f in fed for t in f], dtype=torch.long)
+    out = torch.ops.mtp_core.verify_greedy(logits, ids, qs, **args).tolist()
+    start = args.get("rule_start", torch.zeros(ids.numel() + 1, dtype=torch.int32))
+    processed = torch.ops.mtp_core.apply_logits_rules(
+        logits, start, args.get("rule_ids", torch.empty(0, dtype=torch.long)),
+        args.get("rule_vals", torch.empty(0, 4)), args.get("mask_of"), args.get("masks"))
+    return [r[1:1 + r[0]] for r in out], processed
+
+
+@native
+def test_native_rules_reject_a_draft_as_process_logits():
+    """test_logits_processing's table, inside the native verification: row [t=2, d1=2, d2=2], raw logits
+    [0, 3, 5, 0] at every position, frequency 1.5 over output [2]. The rule entries name token 2 at each position
+    with freq 1.5, 3.0, 4.5 (its count after d_1..d_i): processed [0, 3, 3.5, 0] -> 2 = d1 accepted; [0, 3, 2, 0]
+    -> 1 != d2: the row emits 2, 1, as process_logits + verify do. Without the rules it emits 2, 2, 2."""
+    from mtp_core.engine.native_step import RowLogits
+    from mtp_core.sampling import PenaltyRules, process_logits
+
+    raw = torch.tensor([[0.0, 3.0, 5.0, 0.0]] * 3)
+    p = SamplingParams(frequency_penalty=1.5)
+    rules = PenaltyRules(p, [0], [], 4).at([2], [2, 2])
+    assert rules[0].tolist() == [2, 2, 2] and rules[2] == 1
+    assert rules[1].tolist() == [[0.0, 1.0, 1.5, 0.0], [0.0, 1.0, 3.0, 0.0], [0.0, 1.0, 4.5, 0.0]]
+    emitted, processed = native_rules(raw, [[2, 2, 2]], [RowLogits(3, rules=rules)])
+    assert emitted == [[2, 1]]
+    assert processed.tolist() == process_logits(raw, p, [0], [2], [2, 2], []).tolist() == \
+        [[0.0, 3.0, 3.5, 0.0], [0.0, 3.0, 2.0, 0.0], [0.0, 3.0, 0.5, 0.0]]
+    assert native_verify([([2, 2, 2], raw)]) == [[2, 2, 2]]
+
+
+@native
+def test_native_masks_and_accept_cap_table():
+    """Masks and the cap, by hand (V = 10; a mask row as xgrammar's int32 words). Row 0 [H, A, B], logits that
+    prefer H everywhere: position 0 allows {A, C}: A = d1 accepted; position 1 allows {B} only: B = d2 accepted;
+    position 2 allows nothing: every logit is -inf and the choice is token 0 = A (torch's argmax of a row of -inf):
+    emitted A, B, A. Row 1 [H, D, E] with cap 1 (as if the grammar rejected E after D): D = d1 accepted, and the cap
+    ends the row there: the bonus is position 1's choice E, though E = d2; without the cap D, E, E. Row 2 [H, A, B]:
+    no mask, no cap, strict."""
+    from mtp_core.engine.native_step import RowLogits
+
+    def mask(*allowed):
+        return sum(1 << t for t in allowed)
+
+    masks = torch.tensor([[mask(A, C)], [mask(B)], [0]], dtype=torch.int32)
+    row0 = one_hot([H, H, H])
+    row0[0, C], row0[0, A] = 1.0, 2.0
+    row0[1, B] = -4.0
+    row1 = one_hot([D, E, E])
+    row2 = one_hot([A, B, C])
+    logits = torch.cat([row0, row1, row2])
+    rows = [RowLogits(3, masks=(masks, [True, True, True], 2)), RowLogits(3, masks=(masks[:0], [], 1)),
+            RowLogits(3)]
+    emitted, processed = native_rules(logits, [[H, A, B], [H, D, E], [H, A, B]], rows)
+    assert emitted == [[A, B, A], [D, E], [A, B, C]]
+    inf = float("-inf")
+    assert processed[0].tolist() == [2.0, inf, 1.0] + [inf] * 7
+    assert processed[1].tolist() == [inf, -4.0] + [inf] * 8
+    assert processed[2].tolist() == [inf] * V and torch.equal(processed[3:], logits[3:])
+    # the same rows without the cap: row 1 accepts E too
+    rows[1] = RowLogits(3)
+    assert native_rules(logits, [[H, A, B], [H, D, E], [H, A, B]], rows)[0][1] == [D, E, E]
+
+
+@native
+@pytest.mark.parametrize("seed", range(3))
+def test_native_rules_equal_process_logits_on_random_requests(seed):
+    """Random requests (repetition, frequency, presence, logit_bias, min_tokens and stop ids in every mix), each over
+    a few steps of a growing output, with drafts that follow the processed argmax for a while: the rule entries
+    applied natively give process_logits' values bitwise (torch.equal: the sign of a zero aside) at every position,
+    and the native verification emits what process_logits + verify emit. Logits mix small integers (ties: the lowest
+    id) and fractions that round differently under x / r and x * (1 / r)."""
+    import random
+
+    from mtp_core.engine.native_step import RowLogits
+    from mtp_core.sampling import PenaltyRules, process_logits
+
+    g = random.Random(seed)
+    Vr = 12
+    values = [-3.0, -1.5, -0.7, 0.0, 0.1, 0.3, 0.7, 1.3, 2.0, 3.1, 1e-3]
+    checked = accepted = 0
+    for _ in range(60):
+        p = SamplingParams(max_tokens=64, repetition_penalty=g.choice([1.0, 0.7, 1.1, 1.3, 1.8]),
+                           frequency_penalty=g.choice([0.0, 0.3, -0.5, 1.5]),
+                           presence_penalty=g.choice([0.0, 0.25, -1.0, 2.0]),
+                           logit_bias={t: g.choice([-100.0, -1.5, 0.3, 5.0, 100.0]) for t in g.sample(range(Vr), 2)}
+                           if g.random() < 0.5 else {}, min_tokens=g.choice([0, 0, 3, 7]))
+        if not p.processes_logits:
+            p.frequency_penalty = 0.3
+        prompt = [g.randrange(Vr) for _ in range(g.randint(1, 8))]
+        stops = g.sample(range(Vr), g.randint(0, 2))
+        rules = PenaltyRules(p, prompt, stops, Vr)
+        output: list[int] = []
+        for _ in range(4):
+            logits = torch.tensor([[g.choice(values) if g.random() < 0.7 else g.gauss(0, 2) for _ in range(Vr)]
+                                   for _ in range(5)])
+            k = g.randint(0, 4)
+            drafts: list[int] = []
+            for i in range(k):         # the processed argmax so far, sometimes replaced
+                best = int(process_logits(logits[i:i + 1], p, prompt, output, [], stops).argmax()) if not drafts \
+                    else int(process_logits(logits[:i + 1], p, prompt, output, drafts, stops)[i].argmax())
+                drafts.append(best if g.random() < 0.8 else g.randrange(Vr))
+            lg = logits[:k + 1].contiguous()
+            want = process_logits(lg, p, prompt, output, drafts, stops)
+            emitted, processed = native_rules(lg, [[g.randrange(Vr)] + drafts],
+                                              [RowLogits(k + 1, rules=rules.at(output, drafts))])
+            assert torch.equal(processed, want), (p, prompt, output, drafts)
+            ref = verify(want[None], torch.tensor([drafts], dtype=torch.long).view(1, k), [p], [None], [None])
+            assert emitted == ref.tokens
+            checked += 1
+            accepted += len(emitted[0]) - 1
+            output += emitted[0]
+    assert checked == 240 and accepted > 60

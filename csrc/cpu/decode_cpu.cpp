@@ -830,16 +830,31 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
   // target's hidden [T, H] float32; Vanilla's new windows [B, K, H] float32, else empty); confidence > 0: the
   // confidence gate stops a row's drafts early (drafter.py). Writes the main and
   // the MTP modules' KV in `caches` (all layers, indexed as model.layers); mtp_layer -1: no drafting (the
-  // target step and its verification only).
+  // target step and its verification only). Rows that need their logits: accept_cap [B] (the most drafts a
+  // grammar lets a row accept), rule_start [T + 1] / rule_ids [E] / rule_vals [E, 4] (penalties, logit_bias,
+  // min_tokens as per-token entries per position), mask_of [T] / masks [M, ceil(V / 32)] (grammar masks per
+  // position): verification takes the argmax of the processed, masked logits; top_logprobs [B] (N >= 0, -1 none):
+  // the log-probabilities of each asking row's emitted tokens and its top N -> (vals [R, 1 + Nmax] float32, ids
+  // [R, Nmax] int64), R the asking rows' emitted tokens (empty without top_logprobs).
   m.def(
       "mtp_step(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor ids, Tensor query_start, "
       "Tensor start, Tensor block_tables, Tensor num_drafts, Tensor(a!)[] caches, Tensor rope_cos, "
       "Tensor rope_sin, int mtp_layer, int num_modules=1, Tensor? window_ids=None, Tensor? window_hidden=None, "
-      "Tensor? window_len=None, Tensor? mtp_valid=None, float confidence=0.0) -> (Tensor, Tensor, Tensor)");
+      "Tensor? window_len=None, Tensor? mtp_valid=None, float confidence=0.0, Tensor? accept_cap=None, "
+      "Tensor? rule_start=None, Tensor? rule_ids=None, Tensor? rule_vals=None, Tensor? mask_of=None, "
+      "Tensor? masks=None, Tensor? top_logprobs=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.impl("mtp_step", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mtp_step_cpu)));
-  // mtp_step's strict verification alone, on given logits [T, V] (tests feed it hand-checked tables).
-  m.def("verify_greedy(Tensor logits, Tensor ids, Tensor query_start) -> Tensor");
+  // mtp_step's strict verification alone, on given logits [T, V] and rules (tests feed it hand-checked tables).
+  m.def(
+      "verify_greedy(Tensor logits, Tensor ids, Tensor query_start, Tensor? accept_cap=None, "
+      "Tensor? rule_start=None, Tensor? rule_ids=None, Tensor? rule_vals=None, Tensor? mask_of=None, "
+      "Tensor? masks=None) -> Tensor");
   m.impl("verify_greedy", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::verify_greedy_cpu)));
+  // The rules' processing alone: logits [T, V] -> the processed, masked logits verify_greedy chooses from.
+  m.def(
+      "apply_logits_rules(Tensor logits, Tensor rule_start, Tensor rule_ids, Tensor rule_vals, Tensor? mask_of=None, "
+      "Tensor? masks=None) -> Tensor");
+  m.impl("apply_logits_rules", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::apply_logits_rules_cpu)));
   m.impl("decode_forward", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_forward_cpu)));
   m.impl("decode_logits", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::decode_logits_cpu)));
   m.impl("mat_gemm", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mat_gemm_cpu)));

@@ -38,14 +38,26 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
 void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y);
 
 // The op mtp_core::mtp_step (mtp_step_cpu.cpp; registered with the others in decode_cpu.cpp).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
     const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids, const at::Tensor& query_start,
     const at::Tensor& start, const at::Tensor& block_tables, const at::Tensor& num_drafts, at::TensorList caches,
     const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t mtp_layer, int64_t num_modules,
     const std::optional<at::Tensor>& window_ids, const std::optional<at::Tensor>& window_hidden,
-    const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid, double confidence);
+    const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid, double confidence,
+    const std::optional<at::Tensor>& accept_cap, const std::optional<at::Tensor>& rule_start,
+    const std::optional<at::Tensor>& rule_ids, const std::optional<at::Tensor>& rule_vals,
+    const std::optional<at::Tensor>& mask_of, const std::optional<at::Tensor>& masks,
+    const std::optional<at::Tensor>& top_logprobs);
 
 // The op mtp_core::verify_greedy: mtp_step's strict verification alone, on given logits (mtp_step_cpu.cpp).
-at::Tensor verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& query_start);
+at::Tensor verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& query_start,
+                             const std::optional<at::Tensor>& accept_cap, const std::optional<at::Tensor>& rule_start,
+                             const std::optional<at::Tensor>& rule_ids, const std::optional<at::Tensor>& rule_vals,
+                             const std::optional<at::Tensor>& mask_of, const std::optional<at::Tensor>& masks);
+
+// The op mtp_core::apply_logits_rules: the logits processing verify_greedy applies, alone (mtp_step_cpu.cpp).
+at::Tensor apply_logits_rules_cpu(const at::Tensor& logits, const at::Tensor& rule_start, const at::Tensor& rule_ids,
+                                  const at::Tensor& rule_vals, const std::optional<at::Tensor>& mask_of,
+                                  const std::optional<at::Tensor>& masks);
 
 }  // namespace mtp_core

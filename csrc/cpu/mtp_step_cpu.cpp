@@ -16,14 +16,27 @@
 // padded with -1), with the target's hidden states [T, H] (what the engine keeps for rows that lag, and what a
 // drafter outside the call needs). Every forward is the batch-invariant native forward, so the tokens are the
 // eager engine's.
+//
+// Rows that need their logits stay in the call too (engine/native_step.py prepares what they need along their
+// drafts before it): the penalties, logit_bias and min_tokens of process_logits as per-token entries at each of
+// the row's positions, a grammar's allowed-token mask at each position and the most drafts the grammar lets it
+// accept (LogitsRules: verification takes the argmax of the processed, masked logits), and for a row that wants
+// logprobs the log-softmax of its emitted positions' raw logits (the emitted token's and the top N), computed by
+// the same ATen kernels as the general path's token_logprobs.
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/full.h>
+#include <ATen/ops/log_softmax.h>
+#include <ATen/ops/topk.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -40,23 +53,233 @@ int64_t argmax_row(const float* x, int64_t n) {
   return best;
 }
 
-// Strict greedy verification of B rows: row b fed tokens tok[qs[b] .. qs[b+1]) (its token t, then its drafts),
-// logits [T, V] the target's at those positions. Draft i + 1 (tok[qs[b] + 1 + i]) is accepted while it equals the
-// argmax at position i (first index on ties); the row emits its m accepted drafts and the argmax at position m
-// (the bonus). Writes row b of o ([B, ld], ld >= 1 + (kmax + 1)): o[b][0] = m + 1, o[b][1 .. m + 1] = the
-// emitted tokens; m[b] = m. Only a row's own positions are compared: the loop stops before its last one.
+// The logits processing of the rows that ask for it, prepared by Python along each row's drafts
+// (engine/native_step.py, sampling.logits_rules, structured.guided_masks): at position t of the batch (row b's
+// position i continues the output and the drafts d_1..d_i) process_logits' penalties, logit_bias and min_tokens
+// as entries, one per token they touch, applied in process_logits' order with the same float32 operations
+//
+//   y = bias == -inf ? -inf : x + bias       (min_tokens masks the stop tokens; logit_bias)
+//   y = y > 0 ? y / rep : y * rep            (repetition: rep 1 for a token not seen yet)
+//   y = y - freq;  y = y - pres              (freq = float32(penalty) * count, pres = penalty or 0, both float32)
+//
+// (so y equals process_logits' value, the sign of a zero aside), then the grammar's mask (tokens whose bit is clear
+// become -inf, as xgrammar's apply_token_bitmask_inplace). The grammar also caps the drafts a row may accept: past
+// a draft it rejects, a stop token or the grammar's end there is no next mask (structured.verify_guided_row stops
+// there). Worked example (tests/test_verifier.py): raw logits [0, 3, 5, 0] at both positions of [t, d1 = 2],
+// frequency 1.5 over output [2]: position 0's entry for token 2 has freq 1.5 -> [0, 3, 3.5, 0]: 2 = d1 accepted;
+// position 1's has freq 3.0 -> [0, 3, 2, 0]: the bonus is 1.
+struct LogitsRules {
+  const int32_t* cap = nullptr;       // [B]: the most drafts row b may accept; null: all of them
+  const int32_t* start = nullptr;     // [T + 1]: position t's entries are start[t] .. start[t + 1); null: none
+  const int64_t* ids = nullptr;       // [E]: token ids, each at most once per position
+  const float* vals = nullptr;        // [E, 4]: (bias, rep, freq, pres)
+  const int32_t* mask_of = nullptr;   // [T]: position t's row of masks, or -1; null: no masks
+  const int32_t* masks = nullptr;     // [M, words]: bit v % 32 of word v / 32 set = token v allowed
+  int64_t words = 0;
+
+  bool touches(int64_t t) const { return (start && start[t + 1] > start[t]) || (mask_of && mask_of[t] >= 0); }
+
+  // position t's raw logits x [V] -> y [V], processed and masked
+  void apply(const float* x, int64_t V, int64_t t, float* y) const {
+    std::copy_n(x, V, y);
+    for (int64_t e = start ? start[t] : 0; start && e < start[t + 1]; ++e) {
+      const float* v = vals + e * 4;
+      float z = y[ids[e]];
+      z = v[0] == -INFINITY ? -INFINITY : z + v[0];
+      z = z > 0.f ? z / v[1] : z * v[1];
+      z = z - v[2];
+      z = z - v[3];
+      y[ids[e]] = z;
+    }
+    if (mask_of && mask_of[t] >= 0) {
+      const int32_t* bits = masks + mask_of[t] * words;
+      for (int64_t i = 0; i < V; ++i)
+        if (!((static_cast<uint32_t>(bits[i >> 5]) >> (i & 31)) & 1u)) y[i] = -INFINITY;
+    }
+  }
+
+  // the target's choice at position t: the argmax of the processed, masked logits (first index on ties)
+  int64_t choose(const float* x, int64_t V, int64_t t, std::vector<float>& scratch) const {
+    if (!touches(t)) return argmax_row(x, V);
+    if (start && start[t + 1] > start[t]) {
+      scratch.resize(V);
+      apply(x, V, t, scratch.data());
+      return argmax_row(scratch.data(), V);
+    }
+    // a mask alone: the first allowed token of the largest value, in one pass over the allowed ones; when every
+    // allowed one is -inf (or none is allowed) every masked value is -inf too, and argmax_row's answer is 0
+    const int32_t* bits = masks + mask_of[t] * words;
+    int64_t best = -1;
+    for (int64_t w = 0; w < words; ++w)
+      for (uint32_t m = static_cast<uint32_t>(bits[w]); m; m &= m - 1) {
+        const int64_t i = w * 32 + __builtin_ctz(m);
+        if (i < V && (best < 0 || x[i] > x[best])) best = i;
+      }
+    return best < 0 || x[best] == -INFINITY ? 0 : best;
+  }
+};
+
+// The rules' tensors, checked ("op" names the op in messages); every one absent: no rules (nullopt).
+std::optional<LogitsRules> rules_from(const char* op, int64_t B, int64_t T, int64_t V,
+                                      const std::optional<at::Tensor>& accept_cap,
+                                      const std::optional<at::Tensor>& rule_start,
+                                      const std::optional<at::Tensor>& rule_ids,
+                                      const std::optional<at::Tensor>& rule_vals,
+                                      const std::optional<at::Tensor>& mask_of, const std::optional<at::Tensor>& masks) {
+  if (!accept_cap && !rule_start && !rule_ids && !rule_vals && !mask_of && !masks) return std::nullopt;
+  LogitsRules r;
+  if (accept_cap) {
+    const at::Tensor& c = *accept_cap;
+    TORCH_CHECK(c.scalar_type() == at::kInt && c.is_contiguous() && c.dim() == 1 && c.numel() == B, op,
+                ": accept_cap must be int32 [B]");
+    r.cap = c.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(r.cap[b] >= 0, op, ": accept_cap[", b, "] = ", r.cap[b]);
+  }
+  TORCH_CHECK(!rule_start == !rule_ids && !rule_start == !rule_vals, op,
+              ": rule_start, rule_ids and rule_vals go together");
+  if (rule_start) {
+    const at::Tensor &s = *rule_start, &i = *rule_ids, &v = *rule_vals;
+    TORCH_CHECK(s.scalar_type() == at::kInt && s.is_contiguous() && s.dim() == 1 && s.numel() == T + 1 &&
+                    i.scalar_type() == at::kLong && i.is_contiguous() && i.dim() == 1 &&
+                    v.scalar_type() == at::kFloat && v.is_contiguous() && v.dim() == 2 && v.size(1) == 4 &&
+                    v.size(0) == i.numel(),
+                op, ": rule_start int32 [T + 1], rule_ids int64 [E], rule_vals float32 [E, 4]");
+    r.start = s.data_ptr<int32_t>();
+    r.ids = i.data_ptr<int64_t>();
+    r.vals = v.data_ptr<float>();
+    TORCH_CHECK(r.start[0] == 0 && r.start[T] == i.numel(), op, ": rule_start must run from 0 to ", i.numel());
+    for (int64_t t = 0; t < T; ++t) TORCH_CHECK(r.start[t + 1] >= r.start[t], op, ": rule_start must not decrease");
+    for (int64_t e = 0; e < i.numel(); ++e)
+      TORCH_CHECK(r.ids[e] >= 0 && r.ids[e] < V, op, ": rule token id ", r.ids[e], " outside the vocabulary");
+  }
+  TORCH_CHECK(!mask_of == !masks, op, ": mask_of and masks go together");
+  if (mask_of) {
+    const at::Tensor &o = *mask_of, &m = *masks;
+    r.words = (V + 31) / 32;
+    TORCH_CHECK(o.scalar_type() == at::kInt && o.is_contiguous() && o.dim() == 1 && o.numel() == T &&
+                    m.scalar_type() == at::kInt && m.is_contiguous() && m.dim() == 2 && m.size(1) == r.words,
+                op, ": mask_of int32 [T], masks int32 [M, ceil(vocab / 32) = ", r.words, "]");
+    r.mask_of = o.data_ptr<int32_t>();
+    r.masks = m.data_ptr<int32_t>();
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(r.mask_of[t] >= -1 && r.mask_of[t] < m.size(0), op, ": mask_of[", t, "] = ", r.mask_of[t],
+                  " is not a row of masks");
+  }
+  return r;
+}
+
+// Strict greedy verification of B rows, the one place of it in the native code: row b fed tokens
+// tok[qs[b] .. qs[b+1]) (its token t, then its drafts), logits [T, V] the target's at those positions. Draft i + 1
+// (tok[qs[b] + 1 + i]) is accepted while it equals the target's choice at position i (the argmax, first index on
+// ties; of the processed logits where `rules` touch the position) and the row's cap allows; the row emits its m
+// accepted drafts and the choice at position m (the bonus). Writes row b of o ([B, ld], ld >= 1 + (kmax + 1)):
+// o[b][0] = m + 1, o[b][1 .. m + 1] = the emitted tokens; m[b] = m. Only a row's own positions are compared: the
+// loop stops before its last one.
 void verify_greedy_rows(const float* logits, int64_t V, const int64_t* tok, const int32_t* qs, int64_t B,
-                        int64_t* o, int64_t ld, std::vector<int64_t>& m) {
+                        int64_t* o, int64_t ld, std::vector<int64_t>& m, const LogitsRules* rules = nullptr) {
   m.assign(B, 0);
+  std::vector<float> scratch;
+  auto choice = [&](int64_t t) {
+    return rules ? rules->choose(logits + t * V, V, t, scratch) : argmax_row(logits + t * V, V);
+  };
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = qs[b + 1] - qs[b];
-    int64_t a = 0;
-    while (a < len - 1 && tok[qs[b] + 1 + a] == argmax_row(logits + (qs[b] + a) * V, V)) ++a;
+    const int64_t limit = rules && rules->cap ? std::min<int64_t>(len - 1, rules->cap[b]) : len - 1;
+    int64_t a = 0, target = choice(qs[b]);
+    while (a < limit && tok[qs[b] + 1 + a] == target) target = choice(qs[b] + ++a);
     m[b] = a;
     o[b * ld] = a + 1;
     for (int64_t i = 0; i < a; ++i) o[b * ld + 1 + i] = tok[qs[b] + 1 + i];
-    o[b * ld + 1 + a] = argmax_row(logits + (qs[b] + a) * V, V);
+    o[b * ld + 1 + a] = target;
   }
+}
+
+// The top n of x [V] (n <= V) as torch.topk(x, n) selects them, ordered by value then id, into top; false when a
+// tie straddles the n-th place or x holds a NaN: which of the tied values torch keeps is up to its selection
+// algorithm, so the caller asks torch then. Otherwise the set is determined (every value above the n-th, every one
+// equal to it), whatever algorithm selects it.
+bool top_n(const float* x, int64_t V, int64_t n, std::vector<std::pair<float, int64_t>>& top) {
+  // blocks of 32 values: their maxima first (and a NaN check), then only the blocks that can hold a top value
+  constexpr int64_t kB = 32;
+  const int64_t nb = (V + kB - 1) / kB;
+  thread_local std::vector<float> bmax;
+  bmax.resize(nb);
+  bool nan = false;
+  for (int64_t b = 0; b < nb; ++b) {
+    float m = -INFINITY;
+    for (int64_t i = b * kB; i < std::min(V, (b + 1) * kB); ++i) {
+      nan |= x[i] != x[i];
+      m = x[i] > m ? x[i] : m;
+    }
+    bmax[b] = m;
+  }
+  if (nan) return false;
+  top.clear();
+  for (int64_t b = 0; b < nb; ++b) {
+    if (static_cast<int64_t>(top.size()) == n && !(bmax[b] > top.back().first)) continue;
+    for (int64_t i = b * kB; i < std::min(V, (b + 1) * kB); ++i) {
+      const float v = x[i];
+      if (static_cast<int64_t>(top.size()) == n && !(v > top.back().first)) continue;
+      auto at = std::upper_bound(top.begin(), top.end(), v, [](float a, const auto& e) { return a > e.first; });
+      top.insert(at, {v, i});             // after the equal ones: they have lower ids
+      if (static_cast<int64_t>(top.size()) > n) top.pop_back();
+    }
+  }
+  const float last = top.back().first;
+  int64_t kept = 0, all = 0;
+  for (const auto& e : top) kept += e.first == last;
+  for (int64_t b = 0; b < nb; ++b)
+    if (!(bmax[b] < last))
+      for (int64_t i = b * kB; i < std::min(V, (b + 1) * kB); ++i) all += x[i] == last;
+  return kept == all;
+}
+
+// The general path's token_logprobs (sampling.py) of rows that ask: row b's emitted tokens scored by the raw
+// logits at its positions (log-softmax in float32 over the row's n emitted positions, by ATen's kernel as there),
+// its top N as torch's topk selects them (top_n, or topk itself where a tie straddles the N-th place), ordered by
+// value then id. -> (vals [R, 1 + Nmax] float32: the emitted token's log-probability, then the top N values; ids
+// [R, Nmax] int64: their ids, -1 padded), R = the asking rows' emitted tokens in row order.
+std::tuple<at::Tensor, at::Tensor> emitted_logprobs(const float* logits, int64_t V, const int32_t* qs, int64_t B,
+                                                    const int64_t* o, int64_t ld, const int32_t* top,
+                                                    const at::TensorOptions& f32, const at::TensorOptions& i64) {
+  int64_t R = 0, nmax = 0;
+  for (int64_t b = 0; b < B; ++b)
+    if (top[b] >= 0) {
+      R += o[b * ld];
+      nmax = std::max<int64_t>(nmax, std::min<int64_t>(top[b], V));
+    }
+  at::Tensor vals = at::empty({R, 1 + nmax}, f32), ids = at::empty({R, nmax}, i64);
+  float* pv = vals.data_ptr<float>();
+  int64_t* pi = ids.data_ptr<int64_t>();
+  std::fill_n(pv, R * (1 + nmax), 0.f);
+  std::fill_n(pi, R * nmax, int64_t{-1});
+  std::vector<std::pair<float, int64_t>> pairs;
+  for (int64_t b = 0, r = 0; b < B; ++b) {
+    if (top[b] < 0) continue;
+    const int64_t n = o[b * ld], N = std::min<int64_t>(top[b], V);
+    // the row's first n positions, as token_logprobs' logits[:len(tokens)]
+    const at::Tensor raw = at::from_blob(const_cast<float*>(logits + qs[b] * V), {n, V}, f32);
+    const at::Tensor lp = at::log_softmax(raw, -1);
+    const float* l = lp.data_ptr<float>();
+    for (int64_t j = 0; j < n; ++j) {
+      pv[(r + j) * (1 + nmax)] = l[j * V + o[b * ld + 1 + j]];
+      if (!N) continue;
+      if (!top_n(l + j * V, V, N, pairs)) {
+        const auto [tv, ti] = at::topk(lp[j], N, -1, true, true);
+        pairs.clear();
+        for (int64_t k = 0; k < N; ++k) pairs.emplace_back(tv.data_ptr<float>()[k], ti.data_ptr<int64_t>()[k]);
+        std::sort(pairs.begin(), pairs.end(), [](const auto& x, const auto& y) {
+          return x.first > y.first || (x.first == y.first && x.second < y.second);
+        });
+      }
+      for (int64_t k = 0; k < N; ++k) {
+        pv[(r + j) * (1 + nmax) + 1 + k] = pairs[k].first;
+        pi[(r + j) * nmax + k] = pairs[k].second;
+      }
+    }
+    r += n;
+  }
+  return {vals, ids};
 }
 
 // Positions, slots and context lengths of rows that feed `len[b]` tokens from position `first[b]`.
@@ -277,12 +500,16 @@ void eagle_chain(const DecodeWeights& W, int64_t mtp_layer, at::TensorList cache
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
     const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids, const at::Tensor& query_start,
     const at::Tensor& start, const at::Tensor& block_tables, const at::Tensor& num_drafts, at::TensorList caches,
     const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t mtp_layer, int64_t num_modules,
     const std::optional<at::Tensor>& window_ids, const std::optional<at::Tensor>& window_hidden,
-    const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid, double confidence) {
+    const std::optional<at::Tensor>& window_len, const std::optional<at::Tensor>& mtp_valid, double confidence,
+    const std::optional<at::Tensor>& accept_cap, const std::optional<at::Tensor>& rule_start,
+    const std::optional<at::Tensor>& rule_ids, const std::optional<at::Tensor>& rule_vals,
+    const std::optional<at::Tensor>& mask_of, const std::optional<at::Tensor>& masks,
+    const std::optional<at::Tensor>& top_logprobs) {
   const DecodeWeights& W = *weights;
   const DecodeDims& d = W.dims();
   const int64_t L = d.num_main, H = d.H, V = d.vocab;
@@ -392,6 +619,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
     for (int64_t b = 0; b < B; ++b)
       TORCH_CHECK(!vanilla || nd[b] == 0 || st[b] == 0, "mtp_step: MTP Vanilla needs the rows' windows");
   }
+  const std::optional<LogitsRules> rules =
+      rules_from("mtp_step", B, T, V, accept_cap, rule_start, rule_ids, rule_vals, mask_of, masks);
+  const int32_t* top = nullptr;
+  if (top_logprobs) {
+    const at::Tensor& tl = *top_logprobs;
+    TORCH_CHECK(tl.scalar_type() == at::kInt && tl.is_contiguous() && tl.dim() == 1 && tl.numel() == B,
+                "mtp_step: top_logprobs must be int32 [B]");
+    top = tl.data_ptr<int32_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(top[b] >= -1, "mtp_step: top_logprobs[", b, "] = ", top[b], " (-1: no logprobs)");
+  }
   const std::vector<at::Tensor> main_caches(caches.begin(), caches.begin() + L);
   const float* cos = rope_cos.data_ptr<float>();
   const float* sin = rope_sin.data_ptr<float>();
@@ -406,29 +644,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
   forward_layers(W, 0, L, tok, nullptr, main_caches, target.batch, true, hidden);
   lm_head(W, hidden, T, logits.data());
 
-  // 2. strict verification
+  // 2. strict verification (of the processed, masked logits where rules touch a position), the logprobs asked for
   at::Tensor out = at::full({B, 1 + (kmax + 1) + dmax}, -1, ids.options());
   int64_t* o = out.data_ptr<int64_t>();
   const int64_t ld = out.size(1);
   std::vector<int64_t> m, run;
-  verify_greedy_rows(logits.data(), V, tok, qs, B, o, ld, m);
+  verify_greedy_rows(logits.data(), V, tok, qs, B, o, ld, m, rules ? &*rules : nullptr);
+  at::Tensor lp_vals = at::empty({0, 1}, hidden_t.options()), lp_ids = at::empty({0, 0}, ids.options());
+  if (top) std::tie(lp_vals, lp_ids) = emitted_logprobs(logits.data(), V, qs, B, o, ld, top, hidden_t.options(),
+                                                        ids.options());
   for (int64_t b = 0; b < B; ++b)
     if (nd[b] > 0) run.push_back(b);     // 3. the MTP forwards, for the rows that want drafts
   at::Tensor window = at::empty({0}, hidden_t.options());
-  if (run.empty()) return {out, hidden_t, window};
+  if (run.empty()) return {out, hidden_t, window, lp_vals, lp_ids};
   if (vanilla)
     window = vanilla_chain(W, mtp_layer, num_modules, caches, run, hidden, qs, st, nd, m, o, ld, kmax, win, tables,
                            max_blocks, page, cos, sin, confidence);
   else
     eagle_chain(W, mtp_layer, caches, run, hidden, qs, st, nd, m, o, ld, kmax, win, tables, max_blocks, page, cos,
                 sin, confidence);
-  return {out, hidden_t, window};
+  return {out, hidden_t, window, lp_vals, lp_ids};
 }
 
 // The step's verification alone, on given logits (tests feed it hand-checked tables): logits [T, V] float32,
-// ids [T] int64 (each row's token then its drafts), query_start [B + 1] int32 -> [B, 1 + max row length] int64:
-// (n, emitted tokens, -1 padded), as mtp_step's first columns.
-at::Tensor verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& query_start) {
+// ids [T] int64 (each row's token then its drafts), query_start [B + 1] int32, and optionally the rows' rules as
+// mtp_step takes them -> [B, 1 + max row length] int64: (n, emitted tokens, -1 padded), as mtp_step's first columns.
+at::Tensor verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& query_start,
+                             const std::optional<at::Tensor>& accept_cap, const std::optional<at::Tensor>& rule_start,
+                             const std::optional<at::Tensor>& rule_ids, const std::optional<at::Tensor>& rule_vals,
+                             const std::optional<at::Tensor>& mask_of, const std::optional<at::Tensor>& masks) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous() &&
                   ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous() &&
                   query_start.scalar_type() == at::kInt && query_start.dim() == 1 && query_start.is_contiguous() &&
@@ -442,10 +686,28 @@ at::Tensor verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& ids, co
     TORCH_CHECK(qs[b + 1] > qs[b], "verify_greedy: row ", b, " feeds no token");
     width = std::max<int64_t>(width, qs[b + 1] - qs[b]);
   }
+  const std::optional<LogitsRules> rules =
+      rules_from("verify_greedy", B, T, V, accept_cap, rule_start, rule_ids, rule_vals, mask_of, masks);
   at::Tensor out = at::full({B, 1 + width}, -1, ids.options());
   std::vector<int64_t> m;
   verify_greedy_rows(logits.data_ptr<float>(), V, ids.data_ptr<int64_t>(), qs, B, out.data_ptr<int64_t>(), 1 + width,
-                     m);
+                     m, rules ? &*rules : nullptr);
+  return out;
+}
+
+// The rules' processing alone (tests hold it to process_logits and the grammar mask value by value): logits [T, V]
+// float32 -> the processed, masked logits [T, V] that verify_greedy takes its choices from.
+at::Tensor apply_logits_rules_cpu(const at::Tensor& logits, const at::Tensor& rule_start, const at::Tensor& rule_ids,
+                                  const at::Tensor& rule_vals, const std::optional<at::Tensor>& mask_of,
+                                  const std::optional<at::Tensor>& masks) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.is_contiguous(),
+              "apply_logits_rules: logits must be contiguous float32 [T, V]");
+  const int64_t T = logits.size(0), V = logits.size(1);
+  const LogitsRules rules =
+      *rules_from("apply_logits_rules", 0, T, V, std::nullopt, rule_start, rule_ids, rule_vals, mask_of, masks);
+  at::Tensor out = at::empty_like(logits);
+  for (int64_t t = 0; t < T; ++t)
+    rules.apply(logits.data_ptr<float>() + t * V, V, t, out.data_ptr<float>() + t * V);
   return out;
 }
 

@@ -106,6 +106,8 @@ class Engine:
         self.pool_tokens = (num_blocks - (self.graphs is not None)) * kv.tokens_per_block
         self.grammar_factory: Optional[Callable[[], GrammarBackend]] = None   # set by LLM (it has the tokenizer)
         self.grammars: Optional[GrammarBackend] = None
+        if self.native_step is not None:
+            self.native_step.bind(self.eos_token_ids, think_ids)
         # benchmarks only: replaces the proposed drafts to meet a given acceptance (speculative/replay.py)
         self.replay: Optional[Callable[[Sequence, list[int]], list[int]]] = None
 
@@ -225,23 +227,24 @@ class Engine:
 
     def _forward(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]) -> StepOutput:
         """The target forward and verification: the fused step where the batch allows (it drafts too), else the
-        general path. A request whose logits the engine must see (logprobs, penalties) takes the general path;
-        the forward is batch-invariant, so its tokens and every other row's are the same as on the fused steps."""
-        needs_logits = any(r.seq.params.needs_logits for r in rows)
-        fused = run_fused(self.graphs or self.native_step, rows) if not needs_logits else None
+        general path. Greedy requests whose logits the engine must see (logprobs, penalties, logit_bias,
+        min_tokens, grammars) stay on the native CPU step, which prepares what they need along their drafts; the
+        CUDA-graph step leaves them to the general path. The forward is batch-invariant, so every row's tokens and
+        logprobs are the same on every path."""
+        fused = run_fused(self.graphs or self.native_step, rows)
         if fused is not None:
-            tokens, drafts = fused
-            return StepOutput(rows, VerifyResult(tokens), None, {r.seq.request_id: d for r, d in zip(rows, drafts)})
-        out, verified = self._target(rows, meta, needs_logits)
+            verified, drafts = fused
+            return StepOutput(rows, verified, None, {r.seq.request_id: d for r, d in zip(rows, drafts)})
+        out, verified = self._target(rows, meta)
         return StepOutput(rows, verified, out)
 
-    def _target(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata], needs_logits: bool
+    def _target(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]
                 ) -> tuple[TargetOutput, VerifyResult]:
         """The general path's target forward and verification: one native call where the batch allows
         (NativeStep.target), else runner.execute and the verifier."""
-        if self.native_step is not None and not needs_logits and self.native_step.can_verify(rows):
-            tokens, hidden = self.native_step.target(rows)
-            return TargetOutput(hidden, [None] * len(rows)), VerifyResult(tokens)
+        if self.native_step is not None and self.native_step.can_verify(rows):
+            verified, hidden = self.native_step.target(rows)
+            return TargetOutput(hidden, [None] * len(rows)), verified
         out = self.runner.execute(rows, meta)
         return out, self._verify(rows, out)
 

@@ -7,27 +7,39 @@ draft the MTP forwards (Eagle's forward 1 and chain, or Vanilla's K modules over
 forward the batch-invariant native forward; so the tokens are exactly the eager engine's, and Python does
 O(1) work per step instead of a forward, a logits call and a metadata build per draft.
 
+Rows that need their logits stay on the call (`_logits_args`): before it, each such row's logits processing
+(penalties, logit_bias, min_tokens: sampling.PenaltyRules) and grammar masks (structured.guided_masks) are
+prepared along its drafts, position by position, as the general path applies them once those drafts are
+accepted; the call verifies on the processed, masked logits, and returns the log-probabilities of the emitted
+tokens of the rows that want them (computed there by the same kernels as sampling.token_logprobs). So such a
+request's tokens and float32 logprobs are bitwise the general path's, and plain decoding's (test_native_step.py).
+
 Rows may carry different numbers of drafts (adaptive draft length, the confidence gate inside the call).
 A row the policy gives 0 drafts runs no MTP forward: its MTP caches lag and its hidden states wait in
 seq.mtp.pending (speculative/backlog.py), as on the general path, so a step in which no row drafts costs
 what decoding without MTP costs. A lagging row that drafts again catches up inside the call (its pending
-states go in as its window). Out of scope (the step runs through the general path): prefill rows, sampled
-rows, relaxed acceptance in the thinking phase, injected drafters and the overlap scheduler. `target()`
-runs the target forward and the verification of a greedy batch in one call for the general path (rows
-whose MTP state the call cannot bring up to date) and hands the hidden states to its drafter.
+states go in as its window). Out of scope (the step runs through the general path): prefill rows (prompt
+logprobs included), sampled rows, relaxed acceptance in the thinking phase, injected drafters and the overlap
+scheduler. `target()` runs the target forward and the verification of a greedy batch in one call for the
+general path (rows whose MTP state the call cannot bring up to date) and hands the hidden states to its
+drafter.
 """
 from __future__ import annotations
 
 import array
-from typing import Optional
+from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.model.native_decode import NativeDecoder
+from mtp_core.sampling import PenaltyRules
 from mtp_core.speculative import backlog
 from mtp_core.speculative.mtp_state import MTPState
+from mtp_core.speculative.verifier import VerifyResult
+from mtp_core.structured import guided_masks
 
 
 def _i64(values: list[int]) -> torch.Tensor:
@@ -52,6 +64,12 @@ class NativeStep:
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
         self.confidence = confidence                         # the confidence gate's threshold (0: off)
         self.num_replays = 0                                 # steps run whole by run()
+        # what the rows that need their logits need from the engine (bind): its stop tokens and <think> / </think>
+        self.eos_token_ids: set[int] = set()
+        self.think_ids: Optional[tuple[int, int]] = None
+
+    def bind(self, eos_token_ids: set[int], think_ids: Optional[tuple[int, int]]) -> None:
+        self.eos_token_ids, self.think_ids = eos_token_ids, think_ids
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
         """self when every row is a greedy strict decode row and every row that drafts has the stored states its
@@ -64,33 +82,35 @@ class NativeStep:
         return self
 
     def can_verify(self, rows: list[ScheduledRow]) -> bool:
-        """The target forward and strict verification of this batch fit one call (target()): greedy decode rows,
-        none relaxed; whatever their MTP state (the drafter runs afterwards, as usual)."""
+        """The target forward and strict verification of this batch fit one call (target()): greedy decode rows
+        (with their logits processing, grammars and logprobs), none relaxed; whatever their MTP state (the drafter
+        runs afterwards, as usual)."""
         return bool(rows) and all(not r.is_prefill and r.seq.params.greedy and len(r.token_ids) <= self.K + 1
                                   and not (self.relaxed_on and r.seq.in_thinking) for r in rows)
 
-    def target(self, rows: list[ScheduledRow]) -> tuple[list[list[int]], list[torch.Tensor]]:
-        """The general step's runner.execute + verify in one call, for can_verify(rows): (emitted tokens per row,
-        the target's hidden states per row [n_row, H]), which the engine commits and drafts from as usual."""
-        out, hidden, _ = self._call(rows, [0] * len(rows), -1)
+    def target(self, rows: list[ScheduledRow]) -> tuple[VerifyResult, list[torch.Tensor]]:
+        """The general step's runner.execute + verify in one call, for can_verify(rows): (emitted tokens per row and
+        the logprobs asked for, the target's hidden states per row [n_row, H]), which the engine commits and drafts
+        from as usual."""
+        out, hidden, _, logprobs = self._call(rows, [0] * len(rows), -1)
         tokens = [row[1:1 + row[0]] for row in out]
-        return tokens, list(hidden.split([len(r.token_ids) for r in rows]))
+        return VerifyResult(tokens, logprobs), list(hidden.split([len(r.token_ids) for r in rows]))
 
-    def run(self, rows: list[ScheduledRow]) -> tuple[list[list[int]], list[list[int]]]:
+    def run(self, rows: list[ScheduledRow]) -> tuple[VerifyResult, list[list[int]]]:
         # each row's next drafts, which the engine cuts to its choice once the step is committed (the choice
         # depends on what the step emits): under a fixed policy K for every row, as the static step does (so the
         # drafts are exactly the eager drafter's); under the cost policy the count it chose for the row last
         # (it changes counts rarely; a row it raises gets its new count one step late), so that a step whose
         # rows draft less does not compute the chain it would throw away
         limits = [self._limit(r) for r in rows]
-        out, hidden, windows = self._call(rows, limits, self.mtp_layer)
+        out, hidden, windows, logprobs = self._call(rows, limits, self.mtp_layer)
         kmax = max(len(r.token_ids) for r in rows) - 1
         tokens = [row[1:1 + row[0]] for row in out]
         drafts = [row[2 + kmax: 2 + kmax + n] for row, n in zip(out, limits)]
         if self.confidence:          # the gate may stop a chain early: -1 past its last draft
             drafts = [d[:d.index(-1)] if -1 in d else d for d in drafts]
         self._settle(rows, limits, out, hidden, windows)
-        return tokens, drafts
+        return VerifyResult(tokens, logprobs), drafts
 
     # ---- the rows' MTP state ---------------------------------------------------------------
     def _limit(self, r: ScheduledRow) -> int:
@@ -152,8 +172,36 @@ class NativeStep:
             elif not mtp.is_off:
                 backlog.hold(mtp, hidden[at:at + row[0]], valid, copy=not views_ok)
 
+    # ---- rows that need their logits --------------------------------------------------------
+    def _logits_args(self, rows: list[ScheduledRow]) -> Optional[dict]:
+        """mtp_step's inputs for the rows that need their logits (pack_logits_args), None when no row does: each
+        row's logprobs, logits processing (PenaltyRules.at over its output and drafts) and grammar masks
+        (guided_masks), where it asks for them."""
+        need = [r.seq.params.needs_logits for r in rows]
+        if not any(need):
+            return None
+        specs = []
+        for r, asks in zip(rows, need):
+            seq, n = r.seq, len(r.token_ids)
+            if not asks:
+                specs.append(RowLogits(n))
+                continue
+            p = seq.params
+            rules = masks = None
+            if p.processes_logits:
+                if seq.penalty_rules is None:
+                    stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+                    seq.penalty_rules = PenaltyRules(p, seq.prompt_ids, stop_ids, self.native.vocab)
+                rules = seq.penalty_rules.at(seq.output_ids, r.token_ids[1:])
+            if seq.matcher is not None:
+                after_think = p.guided_after_think and self.think_ids is not None
+                masks = guided_masks(seq.matcher.backend, seq.matcher, r.token_ids[1:],
+                                     after_think and seq.in_thinking, self.think_ids if after_think else None)
+            specs.append(RowLogits(n, -1 if p.logprobs is None else p.logprobs, rules, masks))
+        return pack_logits_args(specs)
+
     def _call(self, rows: list[ScheduledRow], limits: list[int], mtp_layer: int
-              ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+              ) -> tuple[list[list[int]], torch.Tensor, torch.Tensor, Optional[list]]:
         ids = [t for r in rows for t in r.token_ids]
         qs = [0]
         for r in rows:
@@ -170,8 +218,81 @@ class NativeStep:
         drafting = mtp_layer >= 0 and any(limits)
         window = self._windows(rows, limits) if drafting and (vanilla or any(
             r.seq.mtp.num_valid != r.start for r, n in zip(rows, limits) if n)) else (None, None, None, None)
-        out, hidden, windows = nd.step_op(
+        logits = self._logits_args(rows)
+        out, hidden, windows, lp_vals, lp_ids = nd.step_op(
             nd.handle, _i64(ids), _i32(qs), _i64([r.start for r in rows]), tables, _i32(limits),
             self.caches, nd.rope_cos, nd.rope_sin, mtp_layer, self.K if vanilla else 1, *window,
-            self.confidence if drafting else 0.0)
-        return out.tolist(), hidden, windows
+            self.confidence if drafting else 0.0, **(logits or {}))
+        out = out.tolist()
+        top = logits.get("top_logprobs") if logits else None
+        return out, hidden, windows, None if top is None else \
+            unpack_logprobs(out, [r.seq.params.logprobs if r.seq.params.logprobs is not None else -1 for r in rows],
+                            lp_vals, lp_ids)
+
+
+class RowLogits(NamedTuple):
+    """What one row of a native step needs for its logits: its positions (1 + its drafts), its number of top
+    logprobs (-1: none), its logits processing's rule entries (PenaltyRules.at) and its grammar's masks
+    (guided_masks), None where it has none."""
+    n: int
+    top: int = -1
+    rules: Optional[tuple[np.ndarray, np.ndarray, int]] = None
+    masks: Optional[tuple[torch.Tensor, list[bool], int]] = None
+
+
+def pack_logits_args(rows: list[RowLogits]) -> dict:
+    """The rows' needs as mtp_step's (and verify_greedy's) keyword arguments: rule_start / rule_ids / rule_vals
+    (every position's rule entries, in batch order), accept_cap / mask_of / masks (each position's mask, the most
+    drafts each row may accept) and top_logprobs; a group is left out when no row needs it."""
+    args: dict = {}
+    rules = [r for r in rows if r.rules is not None]
+    if rules:
+        start, at = [0], 0
+        for r in rows:
+            u = r.rules[2] if r.rules is not None else 0
+            for _ in range(r.n):
+                at += u
+                start.append(at)
+        args["rule_start"] = _i32(start)
+        args["rule_ids"] = torch.from_numpy(rules[0].rules[0] if len(rules) == 1 else
+                                            np.concatenate([r.rules[0] for r in rules]))
+        args["rule_vals"] = torch.from_numpy(rules[0].rules[1] if len(rules) == 1 else
+                                             np.concatenate([r.rules[1] for r in rules]))
+    guided = [r.masks[0] for r in rows if r.masks is not None]
+    if guided:
+        mask_of: list[int] = []
+        cap, first = [], 0
+        for r in rows:
+            if r.masks is None:
+                mask_of += [-1] * r.n
+                cap.append(r.n - 1)
+                continue
+            m, has, c = r.masks
+            for h in has:
+                mask_of.append(first if h else -1)
+                first += 1
+            mask_of += [-1] * (r.n - len(has))
+            cap.append(c)
+        args["accept_cap"] = _i32(cap)
+        args["mask_of"] = _i32(mask_of)
+        args["masks"] = guided[0] if len(guided) == 1 else torch.cat(guided)
+    if any(r.top >= 0 for r in rows):
+        args["top_logprobs"] = _i32([r.top for r in rows])
+    return args
+
+
+def unpack_logprobs(out: list[list[int]], top: list[int], vals: torch.Tensor, ids: torch.Tensor) -> list:
+    """mtp_step's logprobs -> per row None, or (id, logprob, top [(id, logprob)]) per emitted token, as
+    sampling.token_logprobs gives them."""
+    v, i = vals.tolist(), ids.tolist()
+    result: list = []
+    at = 0
+    for row, n in zip(out, top):
+        if n < 0:
+            result.append(None)
+            continue
+        m = row[0]
+        result.append([(t, vr[0], list(zip(ir[:n], vr[1:n + 1])))
+                       for t, vr, ir in zip(row[1:1 + m], v[at:at + m], i[at:at + m])])
+        at += m
+    return result

@@ -47,6 +47,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)
     prompt_logprobs: list = field(default_factory=list)
     matcher: Optional[object] = None   # params.guided: the grammar matcher, after every emitted non-thinking token
+    penalty_rules: Optional[object] = None   # the native step's form of its logits processing (sampling.PenaltyRules)
     generator: Optional[torch.Generator] = None   # params.seed: this request's sampling generator
     first_token_time: Optional[float] = None
     arrival_time: float = 0.0

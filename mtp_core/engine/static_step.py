@@ -3,8 +3,9 @@
 Two implementations, one contract: the static step here (fixed-size buffers, captured as a CUDA graph per
 batch size; run eagerly over the same buffers without CUDA), and its CPU twin native_step.NativeStep (the
 whole step as one native call, mtp_core::mtp_step). Both answer `step_for(rows)`: a step that can run this
-batch, or None (the batch then takes the engine's general path); its `run(rows)` returns (emitted tokens
-per row, next drafts per row) and brings every row's MTP state (seq.mtp) up to date; `num_replays` counts
+batch, or None (the batch then takes the engine's general path); its `run(rows)` returns (the verification:
+emitted tokens per row and the logprobs asked for, next drafts per row) and brings every row's MTP state
+(seq.mtp) up to date; `num_replays` counts
 the steps run whole. A fused step drafts before the draft-length policy has seen what it emits, so it
 drafts a count of its own for every row (K, or the count the policy chose last); the engine cuts each
 row's drafts to the policy's choice once the step is committed. `make_static_steps` builds them,
@@ -28,7 +29,8 @@ Graphs are captured per batch size (cuda_graph_config.batch_sizes, default 1, 2,
 max_batch_size); a batch pads up to the nearest captured size with rows that read and write only a
 reserved scratch block. On a CPU the same function runs eagerly over the same buffers (that is what the
 CPU tests check against the regular step); on CUDA it is captured once and replayed.
-Out of scope (the step then runs eagerly): prefill rows, sampled rows (temperature > 0), MTP Vanilla,
+Out of scope (the step then runs eagerly): prefill rows, sampled rows (temperature > 0), rows that need their
+logits (logprobs, penalties, logit_bias, min_tokens, grammars: the native step serves those), MTP Vanilla,
 and models whose MoE layers cannot run without a host sync (large experts: see MoE.fuse_for_decode).
 Adaptive draft length: a batch whose rows do not all carry K drafts (ragged rows, a batch-size schedule
 or paused window below K) or that holds a row whose MTP caches lag (it skipped drafting) runs eagerly,
@@ -51,7 +53,7 @@ from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.forward_path import ForwardPath
 from mtp_core.model.native_decode import NativeDecoder
-from mtp_core.speculative.verifier import relaxed_counted
+from mtp_core.speculative.verifier import VerifyResult, relaxed_counted
 
 log = logging.getLogger("mtp.graphs")
 
@@ -203,7 +205,7 @@ class StaticDecodeStep:
         with torch.cuda.graph(self.graph, pool=pool), torch.inference_mode():
             self.forward()
 
-    def run(self, rows: list[ScheduledRow]) -> tuple[list[list[int]], list[list[int]]]:
+    def run(self, rows: list[ScheduledRow]) -> tuple[VerifyResult, list[list[int]]]:
         """-> (emitted tokens per row, next drafts per row), one device-to-host copy."""
         self.load(rows)
         if self.graph is not None:
@@ -215,7 +217,7 @@ class StaticDecodeStep:
         out = torch.cat([self.emitted, self.num_emitted[:, None], self.drafts], dim=1)[: len(rows)].cpu().tolist()
         for r, row in zip(rows, out):
             r.seq.mtp.num_valid = r.start + row[K + 1]   # every row's MTP caches cover its new valid positions
-        return [row[: row[K + 1]] for row in out], [row[K + 2:] for row in out]
+        return VerifyResult([row[: row[K + 1]] for row in out]), [row[K + 2:] for row in out]
 
 
 class GraphRunner:
@@ -241,7 +243,8 @@ class GraphRunner:
     def step_for(self, rows: list[ScheduledRow]) -> Optional[StaticDecodeStep]:
         """The static step that can run this batch, or None (it then runs eagerly)."""
         if not rows or any(r.is_prefill or not r.seq.params.greedy or len(r.token_ids) != self.K + 1
-                           or (self.K and r.seq.mtp.num_valid != r.start) for r in rows):
+                           or (self.K and r.seq.mtp.num_valid != r.start) or r.seq.params.needs_logits
+                           for r in rows):
             return None
         fits = [b for b in self.steps if b >= len(rows) and (b == len(rows) or self.enable_padding)]
         return self.steps[min(fits)] if fits else None
@@ -280,8 +283,9 @@ def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMC
 
 
 def run_fused(fused: Optional[Union[GraphRunner, NativeStep]], rows: list[ScheduledRow]
-              ) -> Optional[tuple[list[list[int]], list[list[int]]]]:
-    """(emitted tokens per row, next drafts per row) when the fused step can run this batch, else None."""
+              ) -> Optional[tuple[VerifyResult, list[list[int]]]]:
+    """(emitted tokens per row and the logprobs asked for, next drafts per row) when the fused step can run this
+    batch, else None."""
     step = fused.step_for(rows) if fused is not None else None
     if step is None:
         return None
