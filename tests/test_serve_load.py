@@ -212,21 +212,31 @@ def test_a_big_prompt_that_must_be_tokenized_does_not_stall_the_streams(tmp_path
                         for _ in range(size // 5))[:size]
     big_body = json.dumps({"model": "tiny-r1", "prompt": big_text, "max_tokens": 8}).encode()
     try:
+        flowing = asyncio.Event()
+        started = [0]
+
         async def one(client: httpx.AsyncClient, p: str) -> list[float]:
-            body = {"model": "tiny-r1", "prompt": p, "max_tokens": 200, "temperature": 0, "stream": True,
+            body = {"model": "tiny-r1", "prompt": p, "max_tokens": 600, "temperature": 0, "stream": True,
                     "ignore_eos": True}
             times = []
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
                         times.append(time.perf_counter())
+                        if len(times) == 1:
+                            started[0] += 1
+                            if started[0] == len(reqs):
+                                flowing.set()
             return times
 
         async def main():
             async with httpx.AsyncClient(timeout=120) as client:
                 streams = [asyncio.create_task(one(client, r.prompt)) for r in reqs]
-                while _metrics(url)["mtp_num_requests_running"] < 8:
-                    await asyncio.sleep(0.01)
+                # every stream decoding (its first chunk came) before the big prompt is sent; a stream that ended
+                # before the last one started fails here at once rather than leaving the wait to the timeout
+                waiter = asyncio.create_task(flowing.wait())
+                await asyncio.wait([waiter, *streams], return_when=asyncio.FIRST_COMPLETED)
+                assert flowing.is_set(), f"a stream ended before all {len(reqs)} were decoding ({started[0]} were)"
                 big = await _big(client, url, "tiny-r1", big_body)
                 return await asyncio.gather(*streams), big
 
