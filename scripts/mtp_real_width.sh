@@ -10,6 +10,7 @@ out=${1:?usage: mtp_real_width.sh OUT_DIR}
 here=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$out"
 cd "$here"
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"   # this checkout's mtp_core, whatever is installed
 lscpu | grep -E "Model name|^CPU\(s\)|Model:|CPU family" | tr -s ' ' | tee "$out/host.txt"
 
 if [ -n "${CKPT_REJECT:-}" ]; then

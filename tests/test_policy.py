@@ -344,6 +344,24 @@ def test_the_loop_settles_on_the_best_count(B, a, good, seed):
     assert sim.tokens / sim.clock >= 0.93 * top, (sim.tokens / sim.clock, top)
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_compute_bound_batch_finds_that_drafting_does_not_pay(seed):
+    """Batch 16 of a small model on a CPU (the shipped model, measured): the step grows with its tokens, a step
+    verifying 3 drafts per row costs ~4.8x one without (per-row target 0.065 -> 0.25 ms, drafter 0 -> 0.06).
+    At a = 0.9: tokens/ms 15.4 at k = 0, 11.1 at k = 3. The prior sends the policy to 3 at once, and from that
+    single measured count its prediction for 0 (the memory-bound shape) says 7.0: without a probe of 0 the
+    budget rule would not try it within the run. After the first 40 steps >= 75% of the steps are at 0, and
+    the whole run's tokens per second are >= 90% of fixed k = 0's."""
+    tgt = per_row([0.065, 0.13, 0.19, 0.25])
+    drf = per_row([0.0, 0.02, 0.04, 0.06])
+    p = DraftLenPolicy(3, DraftPolicy(3), "cost")
+    sim = SimEngine(p, 16, tgt, drf, lambda i: 0.9, seed=seed).run(150)
+    late = sim.chosen[40:]
+    assert late.count(0) >= 0.75 * len(late), sim.chosen
+    zero = fixed_sim(16, 0, tgt, drf, lambda i: 0.9, seed, 150)
+    assert sim.tokens / sim.clock >= 0.90 * zero.tokens / zero.clock, (sim.tokens / sim.clock, zero.tokens / zero.clock)
+
+
 def test_the_loop_follows_a_change_of_acceptance():
     """Batch 1: acceptance 0.9 (best 3; 2 within 2%, 1 within 8%), then 0.1 for 50 steps (best 0), then 0.9
     again: each phase ends up at its best counts, the last one after a return from 0 (with a catch-up)."""

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 from mtp_core.config import DRAFT_LEN_POLICIES
 from mtp_core.speculative.acceptance import EngineAcceptance, request_expected
 from mtp_core.speculative.adaptive import DraftPolicy
-from mtp_core.speculative.costs import SETTLE, Measure, StepCosts, StepTimer, bucket
+from mtp_core.speculative.costs import SETTLE, TRUSTED, Measure, StepCosts, StepTimer, bucket
 from mtp_core.speculative.mtp_state import MTPState
 from mtp_core.speculative.stats import SpecStats
 
@@ -101,6 +101,7 @@ class BucketLog:
     decisions: int = 0
     last_chosen: list[int] = field(default_factory=list)
     last_retry: int = 0
+    probed_zero: bool = False      # whether its first re-try of 0 drafts (owed once drafting is measured) ran
 
 
 @dataclass
@@ -323,18 +324,31 @@ class CostPolicy(FixedPolicy):
         share, due, pick = EXPLORE_BUDGET / kmax, 0.0, best
         b = bucket(batch.size)
         log = self.buckets[b]
+        if best and not log.probed_zero and self._zero_unmeasured(b, best):
+            pick = 0       # owed at once: whether drafting pays at all at this batch size (below)
         for k in R:
-            if k == best or n - log.last_retry < MIN_EXPLORE_GAP or (k and nl == batch.size):
+            if pick != best or k == best or n - log.last_retry < MIN_EXPLORE_GAP or (k and nl == batch.size):
                 continue
             slack = (n - last[k]) * share - (SETTLE + 1) * (1.0 - rate[k] / top)
             if slack > due:
                 due, pick = slack, k
         if pick != best:
+            log.probed_zero = log.probed_zero or pick == 0
             self.num_explorations += 1
             log.last_retry = n
             resume = not nl
             self._retry = Retry(b, pick, SETTLE, resume)
         return pick, resume
+
+    def _zero_unmeasured(self, b: int, best: int) -> bool:
+        """Whether this bucket's drafting count `best` is measured (TRUSTED samples of its target part) and
+        its k = 0 is not. Then 0 drafts is re-tried once, at once: its cost was predicted from the drafting
+        steps along a memory-bound shape (costs.TARGET_SLOPE), which a compute-bound step breaks (the shipped
+        model at batch 16: a step verifying 3 drafts per row costs ~4.3x one without, not 1.75x), and the
+        budget rule would wait hundreds of decisions before it tried 0 (a whole benchmark run)."""
+        cells = self.costs.target.get(b)
+        return (cells is not None and cells[0] is None and cells[best] is not None
+                and len(cells[best].samples) >= TRUSTED)
 
     # ---- after verification, per row -----------------------------------------------------
     def observe(self, mtp: MTPState, proposed: int, accepted: int, stats: Optional[SpecStats] = None) -> None:
