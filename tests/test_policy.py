@@ -603,13 +603,42 @@ def test_a_deferred_prompt_catches_up_when_its_request_first_drafts(models, ckpt
     assert eng.stats.num_draft_proposed > 0
 
 
-def test_only_the_cost_policy_deciding_zero_defers_prompts():
-    p = DraftLenPolicy(3, DraftPolicy(3), "cost")
-    assert not p.defers_prompts()                            # before any decision: prompts run their MTP forward
-    p._last_k = 0
-    assert p.defers_prompts()
-    p._last_k = 2
-    assert not p.defers_prompts()
-    f = DraftLenPolicy(3, DraftPolicy(3, {1: 0}), "fixed")
-    f._last_k = 0
-    assert not f.defers_prompts()
+def test_only_the_cost_policy_defers_prompts():
+    """Under the cost policy a prompt given no drafts always waits for its MTP forward (the prompt counts as a
+    lagging row in the decision); under a fixed count it never does."""
+    assert DraftLenPolicy(3, DraftPolicy(3), "cost").defers_prompts()
+    assert not DraftLenPolicy(3, DraftPolicy(3, {1: 0}), "fixed").defers_prompts()
+
+
+def prompt_row(s, length):
+    """The last chunk of a `length`-token prompt (its first drafting step would run the MTP forward over it)."""
+    s.prefill_target, s.mtp.num_valid = length, 0
+    return SimpleNamespace(seq=s, needs_drafts=True, start=0, next_tokens=[1] * length)
+
+
+@pytest.mark.parametrize("length,a,want", [(20, 0.9, 3), (900, 0.9, 0), (900, 0.3, 0), (1100, 0.9, 3)])
+def test_a_prompt_drafts_when_its_catch_up_pays(length, a, want):
+    """COSTS at batch 1 (k = 3: 2.10 tokens/ms against 1.61 at 0, at a = 0.9); a catch-up measured at 0.02 ms per
+    position, amortised over the request's steps (100 tokens left / 3.44 per step = 29 steps): a 20-token
+    prompt adds 0.014 ms per step (k = 3 still best), a 900-token one 0.62 ms (k = 3: 1.52 tokens/ms, below
+    k = 0's 1.61: 0, and its MTP forward waits); at a = 0.3 drafting loses anyway. A prompt too long to defer (> MAX_MTP_LAG / 2) runs its
+    MTP forward whatever the count, so it is not lagging: 3."""
+    p = policy_with(COSTS)
+    p.costs.add_catchup(0.02e-3)
+    r = prompt_row(seq([a] * 3), length)
+    assert p.choose([r], 1) == [want]
+    assert pol._lag(r) == (length if length <= pol.MAX_MTP_LAG // 2 else 0)
+    assert p.timer.pending.catchup == (length if want and length <= pol.MAX_MTP_LAG // 2 else 0)
+
+
+def test_the_catch_up_prior_comes_from_prefill_steps():
+    """Before a catch-up is measured, its cost per position is a prompt token's measured cost in a prefill-only
+    step x catchup_ratio (not a decode row's, which reads every weight for one token); before either, the
+    decode row's."""
+    t = pol.StepTimer(3, catchup_ratio=0.25)
+    assert t.costs.catchup_position_s(1e-3) == pytest.approx(0.25e-3)
+    t.warmup = 0
+    t.record_step([SimpleNamespace(is_prefill=True, token_ids=[0] * 100)], 0.0, 2e-3, 2.1e-3)
+    assert t.costs.catchup_position_s(1e-3) == pytest.approx(0.25 * 2e-5)
+    t.costs.add_catchup(1e-6)
+    assert t.costs.catchup_position_s(1e-3) == pytest.approx(1e-6)

@@ -116,6 +116,7 @@ class StepCosts:
         self.target: dict[int, list[Optional[_Cell]]] = {}
         self.draft: dict[int, list[Optional[_Cell]]] = {}
         self._catchup = _Cell()                      # seconds per lagging position caught up
+        self._prefill = _Cell()                      # seconds per prompt token of a prefill-only step
         self._cache: dict[int, tuple[list[float], list[float]]] = {}   # per bucket, until its next sample
 
     def _add(self, table: dict[int, list[Optional[_Cell]]], batch_size: int, k: int, seconds: float) -> None:
@@ -136,6 +137,9 @@ class StepCosts:
     def add_catchup(self, seconds_per_position: float) -> None:
         self._catchup.add(max(seconds_per_position, 0.0))
 
+    def add_prefill(self, seconds_per_token: float) -> None:
+        self._prefill.add(seconds_per_token)
+
     @property
     def catchup_s(self) -> Optional[float]:
         """Seconds per lagging position: the median of the last RING measurements (each the difference of two
@@ -145,10 +149,16 @@ class StepCosts:
         return s[len(s) // 2] if s else None
 
     def catchup_position_s(self, k0_row_s: float) -> float:
-        """Seconds per lagging position caught up: measured, else a k = 0 row's seconds x catchup_ratio (the
-        MTP modules one catch-up runs over the main layers)."""
+        """Seconds per lagging position caught up: measured; else a prompt token's seconds in a prefill-only step
+        x catchup_ratio (a catch-up is a prefill of the MTP modules: catchup_ratio = the modules it runs / the
+        main layers); else a k = 0 row's seconds x catchup_ratio (a decode row reads every weight for one token:
+        far dearer per position than a batched forward, so this last prior holds drafting back the longest)."""
         c = self.catchup_s
-        return c if c is not None else k0_row_s * self.catchup_ratio
+        if c is not None:
+            return c
+        if self._prefill.samples:
+            return self._prefill.value * self.catchup_ratio
+        return k0_row_s * self.catchup_ratio
 
     def per_row(self, batch_size: int) -> Optional[tuple[list[float], list[float]]]:
         """(target part, drafter part) per row for k = 0..K at this batch size; None when nothing is measured.
@@ -211,6 +221,10 @@ class StepTimer:
         """rows: the step's scheduled rows; t0 its start, t1 after commit (target part done), t2 its end
         (drafting for the next step done)."""
         decode = bool(rows) and not any(r.is_prefill for r in rows)
+        if rows and all(r.is_prefill for r in rows) and self.warmup < WARMUP_STEPS:
+            # a prompt's forward per token (after the first decode step: the first prefill runs cold), the prior
+            # for what a catch-up costs per position until one is measured
+            self.costs.add_prefill((t1 - t0) / sum(len(r.token_ids) for r in rows))
         verified = max(len(r.token_ids) for r in rows) - 1 if decode else None
         if decode and min(len(r.token_ids) for r in rows) - 1 != verified:
             decode, verified = False, None        # rows verified different counts: not a uniform step

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 from mtp_core.config import DRAFT_LEN_POLICIES
 from mtp_core.speculative.acceptance import EngineAcceptance, request_expected
 from mtp_core.speculative.adaptive import DraftPolicy
+from mtp_core.speculative.backlog import MAX_MTP_LAG
 from mtp_core.speculative.costs import SETTLE, TRUSTED, Measure, StepCosts, StepTimer, bucket
 from mtp_core.speculative.mtp_state import MTPState
 from mtp_core.speculative.stats import SpecStats
@@ -185,9 +186,11 @@ class CostPolicy(FixedPolicy):
         return self.acceptance.rates
 
     def defers_prompts(self) -> bool:
-        """Whether prompt chunks skip their MTP forward (backlog.propose): this step's decision drafts nothing,
-        so a new request's MTP forward over its prompt waits until it first drafts."""
-        return self._last_k == 0
+        """Whether prompt chunks given no drafts skip their MTP forward (backlog.propose): always under this
+        policy. A prompt counts as a lagging row in the decision (`_lag`): its MTP forward is a catch-up that
+        drafting for it pays (amortised over its tokens), so a request whose drafts would not pay never runs
+        it, and one whose drafts pay runs it in the step that first drafts for it."""
+        return True
 
     # ---- once per step -------------------------------------------------------------------
     def choose(self, rows: Sequence["DraftInput"], in_flight: int) -> list[int]:
@@ -216,9 +219,10 @@ class CostPolicy(FixedPolicy):
             if r.start + len(r.next_tokens) <= r.seq.prefill_target:
                 decode_only = False                          # a prefill chunk: this step's drafting is not timed
             j = k if k < c else c
-            if j and mtp.pending:
+            lag = _lag(r)
+            if j and lag:
                 if resume:
-                    catchup += r.start - mtp.num_valid       # its MTP caches catch up in this drafting step
+                    catchup += lag                           # its MTP caches catch up in this drafting step
                 else:
                     j = 0                                    # it stays at 0 (and lags on)
             if r.needs_drafts and j != k:
@@ -265,8 +269,9 @@ class CostPolicy(FixedPolicy):
                 continue
             seq = r.seq
             e = request_expected(seq.mtp, self.acceptance.rates, glob, now)
-            if cap and seq.mtp.pending:
-                batch.lagging.append((e, r.start - seq.mtp.num_valid, seq.params.max_tokens - len(seq.output_ids)))
+            lag = _lag(r) if cap else 0
+            if lag:
+                batch.lagging.append((e, lag, seq.params.max_tokens - len(seq.output_ids)))
             elif cap == kmax:
                 batch.full.append(e)
             else:
@@ -370,6 +375,19 @@ class CostPolicy(FixedPolicy):
                 "catchup_us_per_position": None if c is None else round(1e6 * c, 3),
                 "engine_acceptance_estimate": [round(a, 4) for a in self.acceptance.rates],
                 "num_explorations": self.num_explorations}
+
+
+def _lag(r: "DraftInput") -> int:
+    """Positions a row's first drafting step must run the MTP forward over beyond its own: a decode row whose
+    MTP caches lag (it drafted 0 in earlier steps), or a prompt's last chunk whose MTP forward over the prompt
+    waits until the request drafts (backlog.propose; a prompt longer than MAX_MTP_LAG / 2 runs it at once)."""
+    mtp = r.seq.mtp
+    if mtp.pending:
+        return r.start - mtp.num_valid
+    valid = r.start + len(r.next_tokens)
+    if valid <= r.seq.prefill_target and valid <= MAX_MTP_LAG // 2:
+        return valid - mtp.num_valid
+    return 0
 
 
 def _apply(rows: Sequence["DraftInput"], limits: list[int]) -> list[int]:
