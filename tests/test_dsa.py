@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 from conftest import PROMPTS, _sharpen, greedy, make_engine, reference, run_to_end
 from mtp_core import kernels
 from mtp_core.config import ModelConfig
+from mtp_core.kernels.dsa_ref import select_topk
 from mtp_core.loader import load_model
 from mtp_core.model import AttentionMetadata
-from mtp_core.model.dsa import select_topk
 from mtp_core.tiny import make_tiny_checkpoint, tiny_config_dict
 
 torch.set_num_threads(1)
@@ -371,18 +371,18 @@ def test_native_forward_matches_its_reference(rows, cache, monkeypatch) -> None:
 def test_native_selection_breaks_ties_by_lower_position(monkeypatch) -> None:
     """wq_b = 0 makes every indexer score 0: each query must attend to its index_topk lowest positions (the
     reference's rule), and a reference choosing the highest tied positions instead must disagree."""
-    import mtp_core.model.dsa as dsa
+    import mtp_core.kernels.native_ref as native_ref   # the selection the reference calls (kernels/dsa_ref.py)
     model = _v32_random()
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.indexer.wq_b.weight.zero_()
     out, ref, *_ = _native_pair(model, [(17, 3), (11, 1)])
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    lower_first = dsa.select_topk
+    lower_first = native_ref.select_topk
 
     def last_first(scores, visible, k):
         return lower_first(scores.flip(-1), visible.flip(-1), k).flip(-1)
-    monkeypatch.setattr(dsa, "select_topk", last_first)
+    monkeypatch.setattr(native_ref, "select_topk", last_first)
     _, other, *_ = _native_pair(model, [(17, 3), (11, 1)])
     assert (out - other).abs().max() > 1e-2
 

@@ -21,13 +21,14 @@ from conftest import PROMPTS, greedy, make_engine, reference, run_to_end
 from mtp_core import kernels
 from mtp_core.config import ModelConfig
 from mtp_core.kernels import nvfp4_layout
+from mtp_core.kernels.mat import COLS, FP8, NVFP4, ROWS
 from mtp_core.kernels.native_ref import decode_forward_ref, decode_logits_ref
 from mtp_core.loader.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
 from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
 from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.native_decode import NativeDecoder
-from mtp_core.model.native_weights import COLS, FP8, NVFP4, ROWS, Matrix, _fp8_scale, choose_layout
+from mtp_core.model.native_weights import Matrix, _fp8_scale, choose_layout
 from mtp_core.tiny import tiny_config_dict
 
 ROOT = Path(__file__).resolve().parent.parent
