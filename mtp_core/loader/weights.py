@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from mtp_core.loader.checkpoint import Checkpoint, open_checkpoint
 from mtp_core.loader.quant import detect_quant_format, ignorable_tensor
+from mtp_core.loader.quant.linear import make_linear
 from mtp_core.model import DeepseekV3ForCausalLM
 
 log = logging.getLogger("mtp.loader")
@@ -151,7 +152,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             if keep_quantized and quant.is_quantized(name, available) and (
                     not auto_gpu or _served_packed(quant, name, shape, available, device, torch_dtype)):
                 sub = {t: v.clone() for t, v in sub.items()}   # aligned copies that do not pin the file mapping
-                quantized_modules[name[: -len(".weight")]] = quant.make_linear(name, sub, shape, device=device)
+                quantized_modules[name[: -len(".weight")]] = make_linear(quant, name, sub, shape, device=device)
                 continue
             state[name] = quant.dequantize(name, sub, shape).to(device=device, dtype=target)
         else:
