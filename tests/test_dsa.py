@@ -21,7 +21,7 @@ from mtp_core import kernels
 from mtp_core.config import ModelConfig
 from mtp_core.kernels.dsa_ref import select_topk
 from mtp_core.loader import load_model
-from mtp_core.model import AttentionMetadata
+from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.tiny import make_tiny_checkpoint, tiny_config_dict
 
 torch.set_num_threads(1)
@@ -82,7 +82,7 @@ def load_as(d: Path, path: str, monkeypatch, dtype: str = "float32"):
     """Our model on the torch path (MTP_CORE_NATIVE_DECODE=0) or the native one, decoder prepared."""
     if path == "torch":
         monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
-    model = load_model(d, dtype)[0]
+    model = load_model(d, dtype, make_model=DeepseekV3ForCausalLM)[0]
     model.ensure_decode_fused()
     monkeypatch.delenv("MTP_CORE_NATIVE_DECODE", raising=False)
     assert (model.native is not None) == (path == "native")
@@ -114,7 +114,7 @@ def v32_model(v32_dirs, name: str, path: str):
         if path == "torch":
             os.environ["MTP_CORE_NATIVE_DECODE"] = "0"
         try:
-            model = load_model(v32_dirs[name], "float32")[0]
+            model = load_model(v32_dirs[name], "float32", make_model=DeepseekV3ForCausalLM)[0]
             model.ensure_decode_fused()
         finally:
             os.environ.pop("MTP_CORE_NATIVE_DECODE", None)
@@ -191,7 +191,7 @@ def test_transformers_checkpoint_loads_and_matches_its_logits(tmp_path: Path, ro
     d, hf = hf_v32_dir(tmp_path, ROPES[rope])
     names = set(load_file(str(d / "model.safetensors")))
     assert "model.layers.0.self_attn.indexer.k_norm.bias" in names       # the issue's "unexpected tensor"
-    ours, _ = load_model(d, "float32")
+    ours, _ = load_model(d, "float32", make_model=DeepseekV3ForCausalLM)
     assert ours.config.is_dsa and ours.model.layers[1].self_attn.indexer.topk == 5
     prompt = torch.randint(0, VOCAB, (1, 14), generator=torch.Generator().manual_seed(7))
     steps = 8
@@ -448,7 +448,7 @@ def test_quantized_twins_keep_the_indexer_as_deepseek_does_and_stay_lossless(v32
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model = load_model(out, "auto")[0]
+        model = load_model(out, "auto", make_model=DeepseekV3ForCausalLM)[0]
         base = make_engine(model, max_batch_size=4)
         assert model.native is not None and fmt in model.native.weights.formats()
         idx = model.model.layers[0].self_attn.indexer
@@ -476,7 +476,7 @@ def test_make_tiny_and_make_scale_write_v32(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["make-scale", str(tmp_path / "s"), "--arch", "v32", "--num_layers", "2",
                                  "--width_divisor", "16", "--vocab_size", "512", "--n_routed_experts", "16"])
     assert r.exit_code == 0, r.output
-    model = load_model(tmp_path / "s", "float32")[0]
+    model = load_model(tmp_path / "s", "float32", make_model=DeepseekV3ForCausalLM)[0]
     assert model.config.is_dsa and model.config.n_routed_experts == 16 and model.num_mtp_modules == 1
     r = CliRunner().invoke(app, ["make-scale", str(tmp_path / "m"), "--arch", "v32", "--shape", "moonlight"])
     assert r.exit_code == 2 and "use --shape deepseek-v3" in r.output
@@ -501,7 +501,7 @@ def test_v32_widths_bf16_and_fp8_greedy_mtp_equals_plain(tmp_path: Path, fmt: st
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model = load_model(src, "auto")[0]
+        model = load_model(src, "auto", make_model=DeepseekV3ForCausalLM)[0]
         base = make_engine(model, max_batch_size=3)
         assert model.native is not None and model.native.weights.dims["index_topk"] == 12
         want = [s.output_ids for s in run_to_end(base, prompts, greedy(16))]

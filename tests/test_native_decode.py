@@ -397,9 +397,9 @@ def test_engine_runs_native_and_matches_the_torch_path(tiny3_dir, monkeypatch, l
     """Greedy text on the native path equals the torch reference path's, MTP on and off."""
     from mtp_core.loader import load_model
     monkeypatch.setenv("MTP_CORE_NATIVE_LAYOUT", layout)
-    native_model = load_model(tiny3_dir, "float32")[0]
+    native_model = load_model(tiny3_dir, "float32", make_model=DeepseekV3ForCausalLM)[0]
     monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
-    torch_model = load_model(tiny3_dir, "float32")[0]
+    torch_model = load_model(tiny3_dir, "float32", make_model=DeepseekV3ForCausalLM)[0]
     make_engine(torch_model)
     assert torch_model.native is None
     monkeypatch.delenv("MTP_CORE_NATIVE_DECODE")
@@ -436,7 +436,7 @@ def test_greedy_mtp_equals_plain_greedy_on_packed_formats(tiny3_dir, tmp_path, f
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model = load_model(src, "bfloat16" if fmt == "bf16" else "auto")[0]
+        model = load_model(src, "bfloat16" if fmt == "bf16" else "auto", make_model=DeepseekV3ForCausalLM)[0]
         base = make_engine(model, max_batch_size=8)
         assert model.native is not None
         if fmt != "bf16":
@@ -505,7 +505,7 @@ def test_direct_layout_reads_the_models_own_tensors() -> None:
 def test_bf16_native_greedy_mtp_equals_plain_greedy(tiny3_dir) -> None:
     """bf16 weights (half the bytes, fp32 activations): its own greedy-equality with and without MTP."""
     from mtp_core.loader import load_model
-    model = load_model(tiny3_dir, "bfloat16")[0]
+    model = load_model(tiny3_dir, "bfloat16", make_model=DeepseekV3ForCausalLM)[0]
     base = make_engine(model, max_batch_size=8)
     assert model.native is not None and model.native.weights.embed.dtype == torch.bfloat16
     want = [s.output_ids for s in run_to_end(base, PROMPTS, greedy(24))]
@@ -518,12 +518,12 @@ def test_a_copy_of_a_model_builds_its_own_decoder(tiny1_dir) -> None:
     """The native decoder is built from the weights: a deep copy drops it, so changing the copy's weights
     and then serving it gives what a fresh model with those weights gives."""
     from mtp_core.loader import load_model
-    model = load_model(tiny1_dir, "float32")[0]
+    model = load_model(tiny1_dir, "float32", make_model=DeepseekV3ForCausalLM)[0]
     make_engine(model)
     assert model.native is not None
     twin = copy.deepcopy(model)
     assert twin.native is None and not twin.decode_fused
-    fresh = load_model(tiny1_dir, "float32")[0]
+    fresh = load_model(tiny1_dir, "float32", make_model=DeepseekV3ForCausalLM)[0]
     with torch.no_grad():
         for m in (twin, fresh):
             m.model.layers[1].post_attention_layernorm.weight.mul_(-3.0)
@@ -605,11 +605,11 @@ def test_fp8_kv_cache_greedy_mtp_equals_plain_greedy(tiny3_dir, monkeypatch) -> 
     the native step, Vanilla through the general path), on the native path and on the torch path."""
     from mtp_core.kv_cache.mla_cache import bytes_per_token
     from mtp_core.loader import load_model
-    cfg = load_model(tiny3_dir, "float32")[0].config
+    cfg = load_model(tiny3_dir, "float32", make_model=DeepseekV3ForCausalLM)[0].config
     assert 2 * bytes_per_token(cfg, 6, torch.float8_e4m3fn) == bytes_per_token(cfg, 6, torch.bfloat16)
     for native in ("1", "0"):
         monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", native)
-        model = load_model(tiny3_dir, "bfloat16" if native == "1" else "float32")[0]
+        model = load_model(tiny3_dir, "bfloat16" if native == "1" else "float32", make_model=DeepseekV3ForCausalLM)[0]
         outs = []
         for nextn, mode in ((0, "auto"), (3, "eagle"), (3, "vanilla")):
             eng = make_engine(model, nextn=nextn, mode=mode, max_batch_size=8, kv_dtype="fp8",
