@@ -20,7 +20,7 @@ from mtp_core.kernels import nvfp4_layout
 from mtp_core.kernels.mat import BF16, FP8, NVFP4, ROWS
 from mtp_core.loader.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
 from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from mtp_core.model.native_weights import Matrix, _fp8_scale
+from mtp_core.native.native_weights import Matrix, _fp8_scale
 
 if not kernels.native_ops().cpu and os.environ.get("MTP_CORE_REQUIRE_NATIVE") == "1":
     raise RuntimeError(f"MTP_CORE_REQUIRE_NATIVE=1 but {kernels.native_ops().summary}")
@@ -128,7 +128,7 @@ def test_input_pairs_layout_every_tail_and_token_count() -> None:
     every row count past a block (N mod 16), odd K (a half pair), T = 1..9 (the 8-block one-token tiles, the
     4-block x 1..6-token tiles and their remainders), bias; bitwise the same whatever shares the call."""
     from mtp_core.kernels.mat import PAIRS
-    from mtp_core.model.native_weights import pack_pairs
+    from mtp_core.native.native_weights import pack_pairs
     g = torch.Generator().manual_seed(21)
     old = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -22,6 +22,7 @@ from mtp_core.config import ModelConfig
 from mtp_core.kernels.dsa_ref import select_topk
 from mtp_core.loader import load_model
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+from mtp_core.native.forward_path import prepare_decode
 from mtp_core.tiny import make_tiny_checkpoint, tiny_config_dict
 
 torch.set_num_threads(1)
@@ -83,7 +84,7 @@ def load_as(d: Path, path: str, monkeypatch, dtype: str = "float32"):
     if path == "torch":
         monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
     model = load_model(d, dtype, make_model=DeepseekV3ForCausalLM)[0]
-    model.ensure_decode_fused()
+    prepare_decode(model)
     monkeypatch.delenv("MTP_CORE_NATIVE_DECODE", raising=False)
     assert (model.native is not None) == (path == "native")
     return model
@@ -115,7 +116,7 @@ def v32_model(v32_dirs, name: str, path: str):
             os.environ["MTP_CORE_NATIVE_DECODE"] = "0"
         try:
             model = load_model(v32_dirs[name], "float32", make_model=DeepseekV3ForCausalLM)[0]
-            model.ensure_decode_fused()
+            prepare_decode(model)
         finally:
             os.environ.pop("MTP_CORE_NATIVE_DECODE", None)
             if old is not None:
@@ -342,7 +343,7 @@ def _native_pair(model, rows, cache_dtype=torch.float32, seed=0):
 def _v32_random(**kw):
     from test_native_decode import tiny_model
     model = tiny_model(num_layers=2, num_mtp=1, arch="v32", index_topk=5, **kw)
-    model.ensure_decode_fused()
+    prepare_decode(model)
     return model
 
 
@@ -397,7 +398,7 @@ def test_native_is_bitwise_batch_and_thread_invariant(quant) -> None:
         model = quantize_linears(model, quant)
         model.native = None
         model.decode_fused = False
-        model.ensure_decode_fused()
+        prepare_decode(model)
     rows = [(9, 1), (14, 3), (21, 2), (80, 66)]          # 72 tokens: the by-token split; one each: by keys
     whole, _, c_whole, _, (ids, meta, caches) = _native_pair(model, rows)
     nd, n = model.native, model.config.num_hidden_layers

@@ -27,8 +27,8 @@ from mtp_core.loader.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
 from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
 from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
-from mtp_core.model.native_decode import NativeDecoder
-from mtp_core.model.native_weights import Matrix, _fp8_scale, choose_layout
+from mtp_core.native.native_decode import NativeDecoder
+from mtp_core.native.native_weights import Matrix, _fp8_scale, choose_layout
 from mtp_core.tiny import tiny_config_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -485,7 +485,7 @@ def test_layout_choice_and_why_not(monkeypatch) -> None:
     with pytest.raises(ValueError, match="MTP_CORE_NATIVE_LAYOUT"):
         choose_layout(model)
     monkeypatch.delenv("MTP_CORE_NATIVE_LAYOUT")
-    monkeypatch.setattr("mtp_core.model.native_weights.PACKED_MAX_BYTES", 1000)
+    monkeypatch.setattr("mtp_core.native.native_weights.PACKED_MAX_BYTES", 1000)
     assert choose_layout(model) == "direct"                       # too large to repack: read in place
     monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
     assert NativeDecoder.why_not(model) == "MTP_CORE_NATIVE_DECODE=0"
