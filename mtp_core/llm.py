@@ -14,6 +14,7 @@ from mtp_core.engine.engine import Engine
 from mtp_core.structured import GrammarBackend
 from mtp_core.engine.sequence import Sequence
 from mtp_core.loader import load_model
+from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative.stats import SpecStats
 from mtp_core.tokenizer import Tokenizer
@@ -46,7 +47,8 @@ class LLM:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.model, self.checkpoint = load_model(config.model_dir, config.dtype, config.device, load_progress,
-                                                   keep_quantized=config.keep_quantized)
+                                                   keep_quantized=config.keep_quantized,
+                                                   make_model=DeepseekV3ForCausalLM)
         self.tokenizer = Tokenizer.from_dir(config.model_dir)
         eos = list(self.tokenizer.eos_token_ids)
         cfg_eos = self.checkpoint.config.eos_token_id

@@ -33,10 +33,11 @@ def measure(ckpt: str, contexts: list[int], threads: int, steps: int, dtype: str
     torch.set_num_threads(threads)
     sys.path.insert(0, str(HERE))
     from mtp_core.loader import load_model
-    from mtp_core.model import AttentionMetadata
+    from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+    from mtp_core.native.forward_path import prepare_decode
 
-    model = load_model(ckpt, dtype)[0]
-    model.ensure_decode_fused()
+    model = load_model(ckpt, dtype, make_model=DeepseekV3ForCausalLM)[0]
+    prepare_decode(model)
     nd = model.native
     if nd is None:
         raise SystemExit("the native CPU forward is off for this checkpoint (see the log)")

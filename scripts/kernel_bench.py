@@ -18,9 +18,10 @@ import torch
 
 from mtp_core import kernels
 from mtp_core.kernels import nvfp4_layout
+from mtp_core.kernels.mat import BF16, FP8, NVFP4, ROWS
 from mtp_core.loader.quant.fp8 import quantize_fp8_block
 from mtp_core.loader.quant.nvfp4 import quantize_nvfp4
-from mtp_core.model.native_weights import BF16, FP8, NVFP4, ROWS, Matrix, _fp8_scale
+from mtp_core.native.native_weights import Matrix, _fp8_scale
 
 
 def read_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:

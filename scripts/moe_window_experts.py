@@ -18,6 +18,7 @@ import torch
 
 from mtp_core.bench.roofline import distinct_experts
 from mtp_core.loader import load_model
+from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.model.moe import Gate
 from mtp_core.tokenizer import Tokenizer
 
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     data = json.loads(Path(a.texts).read_text())
     texts = [g["text"] for g in data["generations"]] if isinstance(data, dict) else list(data)
     texts = texts[::max(1, len(texts) // a.max_texts)][:a.max_texts]
-    model, _ = load_model(a.model_dir)
+    model, _ = load_model(a.model_dir, make_model=DeepseekV3ForCausalLM)
     tok = Tokenizer.from_dir(a.model_dir)
     windows = [int(w) for w in a.windows.split(",")]
     got = window_experts(model, [tok.encode(t)[:a.max_tokens] for t in texts], windows)

@@ -88,12 +88,12 @@ def tiny3_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny1_model(tiny1_dir) -> DeepseekV3ForCausalLM:
-    return load_model(tiny1_dir, "float32")[0]
+    return load_model(tiny1_dir, "float32", make_model=DeepseekV3ForCausalLM)[0]
 
 
 @pytest.fixture(scope="session")
 def tiny3_model(tiny3_dir) -> DeepseekV3ForCausalLM:
-    return load_model(tiny3_dir, "float32")[0]
+    return load_model(tiny3_dir, "float32", make_model=DeepseekV3ForCausalLM)[0]
 
 
 @pytest.fixture(scope="session")

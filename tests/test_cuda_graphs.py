@@ -107,8 +107,9 @@ def test_captured_graphs_equal_eager_on_gpu(tiny1_dir, K) -> None:
     """On a GPU the static step is captured per batch size and replayed: same tokens and drafts as the
     eager GPU engine."""
     from mtp_core.loader import load_model
+    from mtp_core.model import DeepseekV3ForCausalLM
 
-    model = load_model(tiny1_dir, "float32", "cuda")[0]
+    model = load_model(tiny1_dir, "float32", "cuda", make_model=DeepseekV3ForCausalLM)[0]
     outs, stats = [], []
     for cg in (None, graphs(1, 2, 4)):
         eng = make_engine(model, nextn=K, mode="eagle", max_batch_size=4, cuda_graph_config=cg, device="cuda")

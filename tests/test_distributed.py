@@ -190,7 +190,8 @@ def quantized_dirs(tiny3_dir, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
 def test_sharded_load_holds_the_slices_of_the_full_model(quantized_dirs, fmt: str) -> None:
-    full = load_model(quantized_dirs[fmt], "float32", keep_quantized=False)[0].state_dict()
+    full = load_model(quantized_dirs[fmt], "float32", keep_quantized=False,
+                      make_model=DeepseekV3ForCausalLM)[0].state_dict()
     for tp, ep in [(2, 1), (1, 2)]:
         for rank in range(2):
             par = ParallelState(rank=rank, world_size=2, tp_size=tp, ep_size=ep)

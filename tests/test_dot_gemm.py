@@ -17,9 +17,10 @@ import torch
 
 from mtp_core import kernels
 from mtp_core.kernels import nvfp4_layout
+from mtp_core.kernels.mat import BF16, FP8, NVFP4, ROWS
 from mtp_core.loader.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
 from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from mtp_core.model.native_weights import BF16, FP8, NVFP4, ROWS, Matrix, _fp8_scale
+from mtp_core.native.native_weights import Matrix, _fp8_scale
 
 if not kernels.native_ops().cpu and os.environ.get("MTP_CORE_REQUIRE_NATIVE") == "1":
     raise RuntimeError(f"MTP_CORE_REQUIRE_NATIVE=1 but {kernels.native_ops().summary}")
@@ -126,7 +127,8 @@ def test_input_pairs_layout_every_tail_and_token_count() -> None:
     """bf16 weights packed in 16-row blocks of input pairs (the packed layout on CPUs with bf16 dot products):
     every row count past a block (N mod 16), odd K (a half pair), T = 1..9 (the 8-block one-token tiles, the
     4-block x 1..6-token tiles and their remainders), bias; bitwise the same whatever shares the call."""
-    from mtp_core.model.native_weights import PAIRS, pack_pairs
+    from mtp_core.kernels.mat import PAIRS
+    from mtp_core.native.native_weights import pack_pairs
     g = torch.Generator().manual_seed(21)
     old = torch.get_num_threads()
     torch.set_num_threads(1)

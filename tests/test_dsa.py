@@ -19,9 +19,10 @@ from safetensors.torch import load_file, save_file
 from conftest import PROMPTS, _sharpen, greedy, make_engine, reference, run_to_end
 from mtp_core import kernels
 from mtp_core.config import ModelConfig
+from mtp_core.kernels.dsa_ref import select_topk
 from mtp_core.loader import load_model
-from mtp_core.model import AttentionMetadata
-from mtp_core.model.dsa import select_topk
+from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+from mtp_core.native.forward_path import prepare_decode
 from mtp_core.tiny import make_tiny_checkpoint, tiny_config_dict
 
 torch.set_num_threads(1)
@@ -82,8 +83,8 @@ def load_as(d: Path, path: str, monkeypatch, dtype: str = "float32"):
     """Our model on the torch path (MTP_CORE_NATIVE_DECODE=0) or the native one, decoder prepared."""
     if path == "torch":
         monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
-    model = load_model(d, dtype)[0]
-    model.ensure_decode_fused()
+    model = load_model(d, dtype, make_model=DeepseekV3ForCausalLM)[0]
+    prepare_decode(model)
     monkeypatch.delenv("MTP_CORE_NATIVE_DECODE", raising=False)
     assert (model.native is not None) == (path == "native")
     return model
@@ -114,8 +115,8 @@ def v32_model(v32_dirs, name: str, path: str):
         if path == "torch":
             os.environ["MTP_CORE_NATIVE_DECODE"] = "0"
         try:
-            model = load_model(v32_dirs[name], "float32")[0]
-            model.ensure_decode_fused()
+            model = load_model(v32_dirs[name], "float32", make_model=DeepseekV3ForCausalLM)[0]
+            prepare_decode(model)
         finally:
             os.environ.pop("MTP_CORE_NATIVE_DECODE", None)
             if old is not None:
@@ -191,7 +192,7 @@ def test_transformers_checkpoint_loads_and_matches_its_logits(tmp_path: Path, ro
     d, hf = hf_v32_dir(tmp_path, ROPES[rope])
     names = set(load_file(str(d / "model.safetensors")))
     assert "model.layers.0.self_attn.indexer.k_norm.bias" in names       # the issue's "unexpected tensor"
-    ours, _ = load_model(d, "float32")
+    ours, _ = load_model(d, "float32", make_model=DeepseekV3ForCausalLM)
     assert ours.config.is_dsa and ours.model.layers[1].self_attn.indexer.topk == 5
     prompt = torch.randint(0, VOCAB, (1, 14), generator=torch.Generator().manual_seed(7))
     steps = 8
@@ -342,7 +343,7 @@ def _native_pair(model, rows, cache_dtype=torch.float32, seed=0):
 def _v32_random(**kw):
     from test_native_decode import tiny_model
     model = tiny_model(num_layers=2, num_mtp=1, arch="v32", index_topk=5, **kw)
-    model.ensure_decode_fused()
+    prepare_decode(model)
     return model
 
 
@@ -371,18 +372,18 @@ def test_native_forward_matches_its_reference(rows, cache, monkeypatch) -> None:
 def test_native_selection_breaks_ties_by_lower_position(monkeypatch) -> None:
     """wq_b = 0 makes every indexer score 0: each query must attend to its index_topk lowest positions (the
     reference's rule), and a reference choosing the highest tied positions instead must disagree."""
-    import mtp_core.model.dsa as dsa
+    import mtp_core.kernels.native_ref as native_ref   # the selection the reference calls (kernels/dsa_ref.py)
     model = _v32_random()
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.indexer.wq_b.weight.zero_()
     out, ref, *_ = _native_pair(model, [(17, 3), (11, 1)])
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    lower_first = dsa.select_topk
+    lower_first = native_ref.select_topk
 
     def last_first(scores, visible, k):
         return lower_first(scores.flip(-1), visible.flip(-1), k).flip(-1)
-    monkeypatch.setattr(dsa, "select_topk", last_first)
+    monkeypatch.setattr(native_ref, "select_topk", last_first)
     _, other, *_ = _native_pair(model, [(17, 3), (11, 1)])
     assert (out - other).abs().max() > 1e-2
 
@@ -397,7 +398,7 @@ def test_native_is_bitwise_batch_and_thread_invariant(quant) -> None:
         model = quantize_linears(model, quant)
         model.native = None
         model.decode_fused = False
-        model.ensure_decode_fused()
+        prepare_decode(model)
     rows = [(9, 1), (14, 3), (21, 2), (80, 66)]          # 72 tokens: the by-token split; one each: by keys
     whole, _, c_whole, _, (ids, meta, caches) = _native_pair(model, rows)
     nd, n = model.native, model.config.num_hidden_layers
@@ -448,7 +449,7 @@ def test_quantized_twins_keep_the_indexer_as_deepseek_does_and_stay_lossless(v32
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model = load_model(out, "auto")[0]
+        model = load_model(out, "auto", make_model=DeepseekV3ForCausalLM)[0]
         base = make_engine(model, max_batch_size=4)
         assert model.native is not None and fmt in model.native.weights.formats()
         idx = model.model.layers[0].self_attn.indexer
@@ -476,7 +477,7 @@ def test_make_tiny_and_make_scale_write_v32(tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["make-scale", str(tmp_path / "s"), "--arch", "v32", "--num_layers", "2",
                                  "--width_divisor", "16", "--vocab_size", "512", "--n_routed_experts", "16"])
     assert r.exit_code == 0, r.output
-    model = load_model(tmp_path / "s", "float32")[0]
+    model = load_model(tmp_path / "s", "float32", make_model=DeepseekV3ForCausalLM)[0]
     assert model.config.is_dsa and model.config.n_routed_experts == 16 and model.num_mtp_modules == 1
     r = CliRunner().invoke(app, ["make-scale", str(tmp_path / "m"), "--arch", "v32", "--shape", "moonlight"])
     assert r.exit_code == 2 and "use --shape deepseek-v3" in r.output
@@ -501,7 +502,7 @@ def test_v32_widths_bf16_and_fp8_greedy_mtp_equals_plain(tmp_path: Path, fmt: st
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model = load_model(src, "auto")[0]
+        model = load_model(src, "auto", make_model=DeepseekV3ForCausalLM)[0]
         base = make_engine(model, max_batch_size=3)
         assert model.native is not None and model.native.weights.dims["index_topk"] == 12
         want = [s.output_ids for s in run_to_end(base, prompts, greedy(16))]

@@ -20,9 +20,10 @@ import torch
 
 from mtp_core import kernels
 from mtp_core.kernels import nvfp4_layout
+from mtp_core.kernels.mat import BF16, F32, FP8, NVFP4, ROWS
 from mtp_core.loader.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
 from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
-from mtp_core.model.native_weights import BF16, F32, FP8, NVFP4, ROWS, Matrix, _fp8_scale
+from mtp_core.native.native_weights import Matrix, _fp8_scale
 
 ROOT = Path(__file__).resolve().parent.parent
 if not kernels.native_ops().cpu and os.environ.get("MTP_CORE_REQUIRE_NATIVE") == "1":

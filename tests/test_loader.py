@@ -36,7 +36,7 @@ def write_ckpt(d: Path, num_shards: int = 1, seed: int = 0, **over) -> dict[str,
 def load_error(d: Path, *needles: str) -> str:
     """load_model(d) must raise a one-line ValueError naming every needle."""
     with pytest.raises(ValueError) as ei:
-        load_model(d, "float32")
+        load_model(d, "float32", make_model=DeepseekV3ForCausalLM)
     msg = str(ei.value)
     assert "\n" not in msg, msg
     for n in needles:
@@ -56,7 +56,7 @@ def set_index(d: Path, idx: dict) -> None:
 
 def test_loads_every_tensor_exactly(tmp_path: Path) -> None:
     state = write_ckpt(tmp_path)
-    model, ckpt = load_model(tmp_path, "float32")
+    model, ckpt = load_model(tmp_path, "float32", make_model=DeepseekV3ForCausalLM)
     got = model.state_dict()
     assert set(got) == set(state)
     for k, v in state.items():
@@ -70,8 +70,8 @@ def test_three_shards_load_equal_to_single_file(tmp_path: Path) -> None:
     write_ckpt(tmp_path / "three", num_shards=3)
     assert len(list((tmp_path / "three").glob("*.safetensors"))) == 3
     assert len(set(index_of(tmp_path / "three")["weight_map"].values())) == 3
-    one, _ = load_model(tmp_path / "one", "float32")
-    three, ck3 = load_model(tmp_path / "three", "float32")
+    one, _ = load_model(tmp_path / "one", "float32", make_model=DeepseekV3ForCausalLM)
+    three, ck3 = load_model(tmp_path / "three", "float32", make_model=DeepseekV3ForCausalLM)
     assert len(ck3.shard_tensors) == 3
     s1, s3 = one.state_dict(), three.state_dict()
     assert set(s1) == set(s3) == set(state)
@@ -86,9 +86,9 @@ def test_dtype_selection(tmp_path: Path) -> None:
     state = write_ckpt(tmp_path)
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("bfloat16") == torch.bfloat16
-    auto, _ = load_model(tmp_path, "auto")
+    auto, _ = load_model(tmp_path, "auto", make_model=DeepseekV3ForCausalLM)
     assert {p.dtype for p in auto.parameters()} == {torch.float32}
-    bf, _ = load_model(tmp_path, "bfloat16")
+    bf, _ = load_model(tmp_path, "bfloat16", make_model=DeepseekV3ForCausalLM)
     sd = bf.state_dict()
     assert sd["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert sd["model.layers.1.mlp.experts.0.up_proj.weight"].dtype == torch.bfloat16
@@ -102,7 +102,7 @@ def test_dtype_selection(tmp_path: Path) -> None:
     # a bf16-stored checkpoint under `auto` stays bf16 on a CPU with the native kernels (they read it in place
     # and compute in fp32), and is upcast to float32 without them
     save_file({k: v.to(torch.bfloat16) for k, v in state.items()}, str(tmp_path / "model.safetensors"))
-    up, _ = load_model(tmp_path, "auto")
+    up, _ = load_model(tmp_path, "auto", make_model=DeepseekV3ForCausalLM)
     want = torch.bfloat16 if kernels.native_ops().cpu else torch.float32
     assert resolve_dtype("auto", "cpu", torch.bfloat16) == want
     assert {p.dtype for n, p in up.named_parameters() if "mlp.gate." not in n} == {want}
@@ -121,7 +121,7 @@ def test_mtp_copies_of_embedding_and_head_are_ignored(tmp_path: Path) -> None:
     st["model.layers.2.shared_head.head.weight"] = torch.zeros(VOCAB, 64)
     (tmp_path / "model.safetensors").unlink()
     save_file(st, str(tmp_path / "model.safetensors"))
-    model, _ = load_model(tmp_path, "float32")
+    model, _ = load_model(tmp_path, "float32", make_model=DeepseekV3ForCausalLM)
     assert torch.equal(model.model.embed_tokens.weight, state["model.embed_tokens.weight"])
     assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
     # ... but only at MTP layers: a main layer holding such a tensor is wrong

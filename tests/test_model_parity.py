@@ -80,7 +80,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_and_greedy_decode_match_transformers(tmp_path: Path, case: str) -> None:
     d = write_ckpt(tmp_path, seed=len(case), **dict(CASES[case]))
-    ours, _ = load_model(d, "float32")
+    ours, _ = load_model(d, "float32", make_model=DeepseekV3ForCausalLM)
     hf = load_hf(d)
     prompt = torch.randint(0, VOCAB, (1, 11), generator=torch.Generator().manual_seed(7))
     steps = 6
@@ -157,7 +157,7 @@ def _check_hf_saved(d: Path, hf) -> None:
     # transformers 5.x reverts its fused experts to the per-expert checkpoint names when saving
     assert "model.layers.1.mlp.experts.7.gate_proj.weight" in names
     assert not any("gate_up_proj" in n for n in names)
-    ours, _ = load_model(d, "float32")
+    ours, _ = load_model(d, "float32", make_model=DeepseekV3ForCausalLM)
     ids = torch.randint(0, VOCAB, (2, 13), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = hf(ids).logits
@@ -213,7 +213,7 @@ def test_mtp_module_layout_and_sharing(tmp_path: Path) -> None:
         st[f"model.layers.{L + k}.embed_tokens.weight"] = torch.randn(VOCAB, 64)
         st[f"model.layers.{L + k}.shared_head.head.weight"] = torch.randn(VOCAB, 64)
     save_file(st, str(d / "model.safetensors"))
-    model, _ = load_model(d, "float32")
+    model, _ = load_model(d, "float32", make_model=DeepseekV3ForCausalLM)
     assert model.num_mtp_modules == 2
     for k in range(2):
         mtp = model.mtp_module(k)
@@ -235,7 +235,7 @@ def test_mtp_module_layout_and_sharing(tmp_path: Path) -> None:
 
 def test_mtp_forward_dense_matches_formula(tmp_path: Path) -> None:
     d = write_ckpt(tmp_path, num_layers=2, num_mtp=1, yarn=True)
-    model, _ = load_model(d, "float32")
+    model, _ = load_model(d, "float32", make_model=DeepseekV3ForCausalLM)
     L = 2
     mtp = model.mtp_module(0)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))

@@ -77,8 +77,10 @@ def test_vanilla_needs_one_module_per_draft(tiny1_model):
 
 def test_mtp_on_a_checkpoint_without_mtp_modules_is_refused(tmp_path):
     from mtp_core.loader import load_model
+    from mtp_core.model import DeepseekV3ForCausalLM
     from mtp_core.tiny import make_tiny_checkpoint
-    model = load_model(make_tiny_checkpoint(tmp_path / "no_mtp", num_mtp=0), "float32")[0]
+    model = load_model(make_tiny_checkpoint(tmp_path / "no_mtp", num_mtp=0), "float32",
+                       make_model=DeepseekV3ForCausalLM)[0]
     with pytest.raises(ValueError, match="num_nextn_predict_layers = 0"):
         make_engine(model, nextn=1)
     assert len(run_to_end(make_engine(model), [PROMPTS[1]], greedy(3))[0].output_ids) == 3
@@ -456,7 +458,7 @@ def test_relaxed_without_think_tokens_is_refused(tiny1_model, tiny1_dir, tmp_pat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_seeded_sampling_on_cuda(tiny1_dir):
     from mtp_core.loader import load_model
-    model = load_model(tiny1_dir, "float32", "cuda")[0]
+    model = load_model(tiny1_dir, "float32", "cuda", make_model=DeepseekV3ForCausalLM)[0]
     params = SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)
     runs = [run_to_end(make_engine(model, nextn=2, mode="eagle", device="cuda"), [PROMPTS[2]], params)[0]
             for _ in range(2)]

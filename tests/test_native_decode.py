@@ -21,13 +21,14 @@ from conftest import PROMPTS, greedy, make_engine, reference, run_to_end
 from mtp_core import kernels
 from mtp_core.config import ModelConfig
 from mtp_core.kernels import nvfp4_layout
+from mtp_core.kernels.mat import COLS, FP8, NVFP4, ROWS
 from mtp_core.kernels.native_ref import decode_forward_ref, decode_logits_ref
 from mtp_core.loader.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
 from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
 from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
-from mtp_core.model.native_decode import NativeDecoder
-from mtp_core.model.native_weights import COLS, FP8, NVFP4, ROWS, Matrix, _fp8_scale, choose_layout
+from mtp_core.native.native_decode import NativeDecoder
+from mtp_core.native.native_weights import Matrix, _fp8_scale, choose_layout
 from mtp_core.tiny import tiny_config_dict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -396,9 +397,9 @@ def test_engine_runs_native_and_matches_the_torch_path(tiny3_dir, monkeypatch, l
     """Greedy text on the native path equals the torch reference path's, MTP on and off."""
     from mtp_core.loader import load_model
     monkeypatch.setenv("MTP_CORE_NATIVE_LAYOUT", layout)
-    native_model = load_model(tiny3_dir, "float32")[0]
+    native_model = load_model(tiny3_dir, "float32", make_model=DeepseekV3ForCausalLM)[0]
     monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
-    torch_model = load_model(tiny3_dir, "float32")[0]
+    torch_model = load_model(tiny3_dir, "float32", make_model=DeepseekV3ForCausalLM)[0]
     make_engine(torch_model)
     assert torch_model.native is None
     monkeypatch.delenv("MTP_CORE_NATIVE_DECODE")
@@ -435,7 +436,7 @@ def test_greedy_mtp_equals_plain_greedy_on_packed_formats(tiny3_dir, tmp_path, f
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model = load_model(src, "bfloat16" if fmt == "bf16" else "auto")[0]
+        model = load_model(src, "bfloat16" if fmt == "bf16" else "auto", make_model=DeepseekV3ForCausalLM)[0]
         base = make_engine(model, max_batch_size=8)
         assert model.native is not None
         if fmt != "bf16":
@@ -484,7 +485,7 @@ def test_layout_choice_and_why_not(monkeypatch) -> None:
     with pytest.raises(ValueError, match="MTP_CORE_NATIVE_LAYOUT"):
         choose_layout(model)
     monkeypatch.delenv("MTP_CORE_NATIVE_LAYOUT")
-    monkeypatch.setattr("mtp_core.model.native_weights.PACKED_MAX_BYTES", 1000)
+    monkeypatch.setattr("mtp_core.native.native_weights.PACKED_MAX_BYTES", 1000)
     assert choose_layout(model) == "direct"                       # too large to repack: read in place
     monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
     assert NativeDecoder.why_not(model) == "MTP_CORE_NATIVE_DECODE=0"
@@ -504,7 +505,7 @@ def test_direct_layout_reads_the_models_own_tensors() -> None:
 def test_bf16_native_greedy_mtp_equals_plain_greedy(tiny3_dir) -> None:
     """bf16 weights (half the bytes, fp32 activations): its own greedy-equality with and without MTP."""
     from mtp_core.loader import load_model
-    model = load_model(tiny3_dir, "bfloat16")[0]
+    model = load_model(tiny3_dir, "bfloat16", make_model=DeepseekV3ForCausalLM)[0]
     base = make_engine(model, max_batch_size=8)
     assert model.native is not None and model.native.weights.embed.dtype == torch.bfloat16
     want = [s.output_ids for s in run_to_end(base, PROMPTS, greedy(24))]
@@ -517,12 +518,12 @@ def test_a_copy_of_a_model_builds_its_own_decoder(tiny1_dir) -> None:
     """The native decoder is built from the weights: a deep copy drops it, so changing the copy's weights
     and then serving it gives what a fresh model with those weights gives."""
     from mtp_core.loader import load_model
-    model = load_model(tiny1_dir, "float32")[0]
+    model = load_model(tiny1_dir, "float32", make_model=DeepseekV3ForCausalLM)[0]
     make_engine(model)
     assert model.native is not None
     twin = copy.deepcopy(model)
     assert twin.native is None and not twin.decode_fused
-    fresh = load_model(tiny1_dir, "float32")[0]
+    fresh = load_model(tiny1_dir, "float32", make_model=DeepseekV3ForCausalLM)[0]
     with torch.no_grad():
         for m in (twin, fresh):
             m.model.layers[1].post_attention_layernorm.weight.mul_(-3.0)
@@ -604,11 +605,11 @@ def test_fp8_kv_cache_greedy_mtp_equals_plain_greedy(tiny3_dir, monkeypatch) -> 
     the native step, Vanilla through the general path), on the native path and on the torch path."""
     from mtp_core.kv_cache.mla_cache import bytes_per_token
     from mtp_core.loader import load_model
-    cfg = load_model(tiny3_dir, "float32")[0].config
+    cfg = load_model(tiny3_dir, "float32", make_model=DeepseekV3ForCausalLM)[0].config
     assert 2 * bytes_per_token(cfg, 6, torch.float8_e4m3fn) == bytes_per_token(cfg, 6, torch.bfloat16)
     for native in ("1", "0"):
         monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", native)
-        model = load_model(tiny3_dir, "bfloat16" if native == "1" else "float32")[0]
+        model = load_model(tiny3_dir, "bfloat16" if native == "1" else "float32", make_model=DeepseekV3ForCausalLM)[0]
         outs = []
         for nextn, mode in ((0, "auto"), (3, "eagle"), (3, "vanilla")):
             eng = make_engine(model, nextn=nextn, mode=mode, max_batch_size=8, kv_dtype="fp8",

@@ -10,7 +10,7 @@ from mtp_core.loader.quant import (Fp8BlockFormat, Nvfp4Format, detect_quant_for
 from mtp_core.loader.quant.fp8 import (fp8_block_linear_reference, quantize_activation_per_token_group,
                                        quantize_fp8_block)
 from mtp_core.kernels.dispatch import load_deep_gemm
-from mtp_core.loader.quant.linear import Fp8BlockLinear, make_fp8_linear
+from mtp_core.loader.quant.linear import Fp8BlockLinear, make_fp8_linear, make_linear
 from mtp_core.loader.quant.nvfp4 import (pack_e2m1, quantize_nvfp4, round_to_e2m1, unpack_e2m1)
 
 torch.set_num_threads(1)
@@ -266,14 +266,14 @@ def test_keep_quantized_linear_equals_dequantize_at_load(fmt, tensors, dtype):
     with torch.no_grad():
         loaded.weight.copy_(fmt.dequantize("a.weight", tensors, (48, 160)))
     loaded = loaded.to(dtype)
-    module = fmt.make_linear("a.weight", tensors, (48, 160)).to(dtype)  # .to(dtype) must not round scales
+    module = make_linear(fmt, "a.weight", tensors, (48, 160)).to(dtype)  # .to(dtype) must not round scales
     with torch.no_grad():
         assert torch.equal(module(x), loaded(x))
 
 
 def test_keep_quantized_fp8_holds_packed_tensors():
     fmt, tensors = _formats_with_tensors()[0]
-    module = fmt.make_linear("a.weight", tensors, (48, 160)).to(torch.float16)
+    module = make_linear(fmt, "a.weight", tensors, (48, 160)).to(torch.float16)
     assert isinstance(module, Fp8BlockLinear)
     assert module.weight_fp8.dtype == E4M3 and torch.equal(module.weight_scale_inv, tensors["a.weight_scale_inv"])
     # `.weight` is the real (dequantized) weight, for model code that reads it directly

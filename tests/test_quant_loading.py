@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from mtp_core.loader import load_model
 from mtp_core.loader.quant.fp8 import dequantize_fp8_block
 from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4
+from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.quantize import quantize_checkpoint
 from mtp_core.tiny import make_tiny_checkpoint
 
@@ -27,7 +28,7 @@ def test_loaded_weights_equal_reference_dequantization(src: Path, tmp_path: Path
     out = tmp_path / fmt
     quantize_checkpoint(src, out, fmt)
     raw = load_file(str(out / "model.safetensors"))
-    model, _ = load_model(out, keep_quantized=False)
+    model, _ = load_model(out, keep_quantized=False, make_model=DeepseekV3ForCausalLM)
     params = dict(model.named_parameters())
     checked = 0
     for name, w in raw.items():
@@ -41,7 +42,7 @@ def test_loaded_weights_equal_reference_dequantization(src: Path, tmp_path: Path
         checked += 1
     assert checked > 5
     # keep-quantized modules give the same logits bit for bit
-    kept, _ = load_model(out, keep_quantized=True)
+    kept, _ = load_model(out, keep_quantized=True, make_model=DeepseekV3ForCausalLM)
     ids = torch.tensor([[1, 5, 9, 33, 70, 2]])
     with torch.no_grad():
         a = model.compute_logits(model.forward_dense(ids)[0])
@@ -57,7 +58,7 @@ def test_missing_scale_names_the_tensor(src: Path, tmp_path: Path) -> None:
     del tensors[victim]
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match=victim.replace(".", r"\.")):
-        load_model(out)
+        load_model(out, make_model=DeepseekV3ForCausalLM)
 
 
 def test_wrong_scale_shape_names_the_tensor(src: Path, tmp_path: Path) -> None:
@@ -68,5 +69,5 @@ def test_wrong_scale_shape_names_the_tensor(src: Path, tmp_path: Path) -> None:
     tensors[victim] = tensors[victim][:, :1].contiguous()
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match=victim.replace(".", r"\.")):
-        load_model(out)
+        load_model(out, make_model=DeepseekV3ForCausalLM)
     assert json.loads((out / "hf_quant_config.json").read_text())["quantization"]["quant_algo"] == "NVFP4"

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from conftest import greedy, make_engine, run_to_end
 from mtp_core import kernels
 from mtp_core.loader import load_model
+from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.scale_model import SHAPES, scale_config_dict, write_scale_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +80,7 @@ def test_engine_on_the_scale_shape(moon, tmp_path, fmt) -> None:
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model = load_model(src)[0]
+        model = load_model(src, make_model=DeepseekV3ForCausalLM)[0]
         assert next(model.parameters()).dtype == torch.bfloat16          # --dtype auto keeps the stored dtype
         base = make_engine(model, eos=(), max_batch_size=4)
         assert model.native is not None and model.native.weights.layout == "direct"
@@ -119,7 +120,7 @@ def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
 open("/proc/self/clear_refs", "w").write("5")          # resets the peak (VmHWM) to the current RSS
 before = status("VmRSS:")
-model = load_model(sys.argv[1])[0]
+model = load_model(sys.argv[1], make_model=DeepseekV3ForCausalLM)[0]
 print(before, status("VmHWM:"), status("VmRSS:"))
 """
 

@@ -13,6 +13,7 @@ import torch
 
 from cli.common import DEFAULT_MODEL_DIR
 from mtp_core.loader import load_model
+from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_factory.data import FAMILIES
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,7 +42,7 @@ def test_main_model_matches_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    ours, _ = load_model(DEFAULT_MODEL_DIR, "float32")
+    ours, _ = load_model(DEFAULT_MODEL_DIR, "float32", make_model=DeepseekV3ForCausalLM)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, local_files_only=True, dtype=torch.float32)

@@ -74,7 +74,7 @@ def test_smoke_training_is_deterministic_resumable_and_loads(tmp_path: Path) -> 
     hb = json.loads((b / "state" / "state.json").read_text())["history"]
     assert [round(x["loss"], 5) for x in ha] == [round(x["loss"], 5) for x in hb]
     assert len(ha) == 3 and all(len(x["mtp_loss"]) == 3 and len(x["eagle_loss"]) == 2 for x in ha)
-    model, ckpt = load_model(a / "model")
+    model, ckpt = load_model(a / "model", make_model=DeepseekV3ForCausalLM)
     assert ckpt.config.num_nextn_predict_layers == 3 and model.num_mtp_modules == 3
     assert (a / "model" / "tokenizer.json").is_file() and (a / "model" / "generation_config.json").is_file()
 
@@ -172,7 +172,7 @@ def test_moe_window_experts_counts_distinct_experts(tiny3_dir, tmp_path) -> None
     spec = importlib.util.spec_from_file_location("mwe", repo / "scripts" / "moe_window_experts.py")
     mwe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mwe)
-    model, _ = load_model(tiny3_dir)
+    model, _ = load_model(tiny3_dir, make_model=DeepseekV3ForCausalLM)
     n, k = model.config.n_routed_experts, model.config.num_experts_per_tok
     ids = [[1, 5, 9, 13, 40, 41, 42, 60, 7, 8, 3, 4]]
     got = mwe.window_experts(model, ids, [1, 2, 4])

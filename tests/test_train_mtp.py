@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from mtp_core.loader import load_model
 from mtp_core.llm import LLM
+from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.sampling import SamplingParams
 from mtp_core.tiny import make_tiny_checkpoint
 from mtp_core import train_mtp as ft
@@ -153,7 +154,7 @@ def test_add_mtp_loads_here_and_in_transformers(tmp_path):
     assert {n.split(".")[2] for n in idx if idx[n] == "model-mtp.safetensors"} == {"2", "3"}
     for f in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):   # untouched shards
         assert (dst / f).read_bytes() == (src / f).read_bytes()
-    model, _ = load_model(dst, "float32")
+    model, _ = load_model(dst, "float32", make_model=DeepseekV3ForCausalLM)
     assert model.num_mtp_modules == 2
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     ref = LLM(llm_config(dst)).generate(PROMPTS[:4], params)

@@ -24,6 +24,7 @@ from mtp_core.engine.model_runner import TargetOutput
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.kv_cache.mla_cache import plan_num_blocks
 from mtp_core.model import DeepseekV3ForCausalLM
+from mtp_core.native.forward_path import prepare_decode
 from mtp_core.speculative.drafter import DraftInput, Drafter
 from mtp_core.speculative.verifier import VerifyResult
 
@@ -70,7 +71,7 @@ class DistributedEngine(Engine):
                  think_ids: Optional[tuple[int, int]] = None, drafter: Optional[Drafter] = None,
                  iter_log: Optional[Callable[[str], None]] = None) -> None:
         self.par = par
-        model.ensure_decode_fused()   # before the KV pool is sized from the memory that is left
+        prepare_decode(model)   # before the KV pool is sized from the memory that is left
         if cfg.cuda_graph_config is not None and par.world_size > 1:
             # the static step commits its own tokens; rank 0's broadcast (_verify, BroadcastDrafter) is not in it
             log.warning("CUDA graphs are not combined with tensor / expert parallelism yet; running eagerly")

@@ -22,6 +22,7 @@ from mtp_core.distributed.shard import collect_shards, shard_model
 from mtp_core.distributed.sharded_read import Opener, packed_full_shape, read_quant_slice, read_slice
 from mtp_core.loader.checkpoint import Checkpoint, open_checkpoint
 from mtp_core.loader.quant import QuantFormat, detect_quant_format
+from mtp_core.loader.quant.linear import make_linear
 from mtp_core.loader.weights import _linear_weight_names, check_tensor_names, resolve_dtype
 from mtp_core.model import DeepseekV3ForCausalLM
 
@@ -105,7 +106,7 @@ def _load_quantized(open_for: Opener, quant: QuantFormat, name: str, names: list
     """A packed module (keep_packed and the slice is on the scale grid) or the dequantized slice [n, k]."""
     piece = read_quant_slice(open_for, quant, name, names, full_shape, shard)
     if keep_packed and piece.aligned:
-        return quant.make_linear(name, piece.tensors, piece.shape, device=device)
+        return make_linear(quant, name, piece.tensors, piece.shape, device=device)
     w = quant.dequantize(name, piece.tensors, piece.shape)                   # [n', k'] float32
     if piece.narrow is not None:
         w = w.narrow(piece.narrow.dim, piece.narrow.lo, piece.narrow.hi - piece.narrow.lo)

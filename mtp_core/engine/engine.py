@@ -38,7 +38,7 @@ from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
 from mtp_core.speculative.drafter import DraftInput, Drafter, make_drafter
 from mtp_core.speculative.adaptive import DraftPolicy
-from mtp_core.model.forward_path import serving_forward
+from mtp_core.native.forward_path import serving_forward
 from mtp_core.speculative.policy import DraftLenPolicy
 from mtp_core.speculative.stats import SpecStats
 from mtp_core.speculative.verifier import VerifyResult

@@ -34,7 +34,7 @@ import torch
 
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import DeepseekV3ForCausalLM
-from mtp_core.model.native_decode import NativeDecoder
+from mtp_core.native.native_decode import NativeDecoder
 from mtp_core.sampling import PenaltyRules
 from mtp_core.speculative import backlog
 from mtp_core.speculative.mtp_state import MTPState

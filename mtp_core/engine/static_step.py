@@ -52,7 +52,7 @@ from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.forward_path import ForwardPath
-from mtp_core.model.native_decode import NativeDecoder
+from mtp_core.native.native_decode import NativeDecoder
 from mtp_core.speculative.verifier import VerifyResult, relaxed_counted
 
 log = logging.getLogger("mtp.graphs")

@@ -212,7 +212,7 @@ def cpu_isa() -> str:
 
 
 def mat_gemm(x: torch.Tensor, m, amx: bool = False, dot: bool = False) -> torch.Tensor:
-    """x [T, m.k] @ W^T (+ bias) -> float32 [T, m.n] for a native_weights.Matrix of any layout / format, with
+    """x [T, m.k] @ W^T (+ bias) -> float32 [T, m.n] for a native.native_weights.Matrix of any layout / format, with
     the native forward's kernels on CPU (batch-invariant: each output reduced in an order independent of T).
     amx: the AMX tile GEMM (bf16 row-wise weights; x rounded to bf16), where cpu_amx(); dot: the AVX512-BF16
     dot-product GEMM (row-wise bf16 / FP8 / NVFP4 weights; x rounded to bf16), where cpu_bf16_dot()."""

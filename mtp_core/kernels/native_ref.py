@@ -1,6 +1,7 @@
 """Torch reference of mtp_core::decode_forward / decode_logits / mat_gemm (csrc/cpu/decode_cpu.cpp): the
 oracle the native forward is tested against, in plain torch, float32 arithmetic, over the same typed
-weights (mtp_core/model/native_weights.py: NativeWeights, whose Matrix.dense() gives each matrix's values).
+weights (mtp_core/native/native_weights.py: NativeWeights, whose Matrix.dense() gives each matrix's values),
+read by their fields only (this module imports nothing above the kernels).
 
 decode_forward_ref(weights, first_layer, num_layers, ids [T], mtp_hidden [T, H] | None, caches (one
 [blocks, page, R+P] per layer, written in place), rope_cos / rope_sin [max_pos, P/2], positions [T] int64,
@@ -15,7 +16,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mtp_core.kernels.dsa_ref import index_scores, select_topk
 from mtp_core.kernels.fused_ref import rms_norm_ref, rope_ref
+from mtp_core.kernels.mat import bf16_acts
 from mtp_core.kv_cache.mla_cache import write_slots
 
 
@@ -26,7 +29,6 @@ def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 def _lin(x: torch.Tensor, m, acts: dict) -> torch.Tensor:
     """x @ W^T + b; the matrices the AMX tiles or the bf16 dot products serve (acts: the dims' "amx" and
     "bf16_dot" switches) see bf16-rounded activations."""
-    from mtp_core.model.native_weights import bf16_acts
     if bf16_acts(m, acts):
         x = x.bfloat16().float()
     return F.linear(x, m.dense(), m.bias)
@@ -55,9 +57,8 @@ def _route(h: torch.Tensor, layer, d: dict, routed_scale: float):
 def _attention(q: torch.Tensor, cache: torch.Tensor, R: int, query_start: list[int], tables: torch.Tensor,
                seqlens: list[int], scale: float, dsa=None) -> torch.Tensor:
     """q [T, nh, R+P] -> [T, nh, R]. dsa: (indexer queries [T, heads, Di], head weights [T, heads], top-k): each
-    query attends only to its top-k visible keys by the indexer's scores (model/dsa.py, ties to the lower
+    query attends only to its top-k visible keys by the indexer's scores (dsa_ref.py, ties to the lower
     position)."""
-    from mtp_core.model.dsa import index_scores, select_topk
     page, D = cache.shape[1], q.shape[-1]
     out = q.new_zeros(q.shape[0], q.shape[1], R)
     for b in range(len(seqlens)):

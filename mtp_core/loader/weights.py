@@ -1,4 +1,5 @@
-"""Loading safetensors weights into DeepseekV3ForCausalLM.
+"""Loading safetensors weights into a model that the caller builds (`make_model`: a config -> an nn.Module on
+the meta device, DeepseekV3ForCausalLM in this project; the loader never imports the model package).
 
 Every parameter and persistent buffer of the model must be present with the right shape; any other
 tensor in the checkpoint is an error unless it is a known-ignorable one (the per-MTP-layer copies of the
@@ -9,16 +10,19 @@ from __future__ import annotations
 import logging
 import re
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 from safetensors import safe_open
 
+from mtp_core.config import ModelConfig
 from mtp_core.loader.checkpoint import Checkpoint, open_checkpoint
 from mtp_core.loader.quant import detect_quant_format, ignorable_tensor
-from mtp_core.model import DeepseekV3ForCausalLM
+from mtp_core.loader.quant.linear import make_linear
 
 log = logging.getLogger("mtp.loader")
+
+M = TypeVar("M", bound=torch.nn.Module)
 
 _IGNORABLE = (
     re.compile(r"model\.layers\.\d+\.(embed_tokens|shared_head\.head)\.weight$"),  # MTP copies (shared)
@@ -117,9 +121,11 @@ def check_tensor_names(ckpt: Checkpoint, expected: dict[str, tuple[int, ...]], p
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
                progress: Optional[Callable[[int, int], None]] = None,
-               keep_quantized: Optional[bool] = None) -> tuple[DeepseekV3ForCausalLM, Checkpoint]:
-    """Build the model on the meta device and fill it from the checkpoint's safetensors, one tensor at a
-    time (each read, converted and placed before the next: the peak is the model plus one tensor).
+               keep_quantized: Optional[bool] = None, *,
+               make_model: Callable[[ModelConfig], M]) -> tuple[M, Checkpoint]:
+    """Build the model (make_model(config), e.g. DeepseekV3ForCausalLM) on the meta device and fill it from the
+    checkpoint's safetensors, one tensor at a time (each read, converted and placed before the next: the peak
+    is the model plus one tensor).
 
     Quantized checkpoints (DeepSeek FP8 block, ModelOpt NVFP4) are kept packed in modules that the native
     CPU kernels read in place (keep_quantized None = auto: on a CPU with them), or dequantized exactly at
@@ -130,7 +136,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     auto_gpu = keep_quantized is None and device != "cpu"
     keep_quantized = resolve_keep_quantized(keep_quantized, device)
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(ckpt.config)
+        model = make_model(ckpt.config)
     expected = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     available = set(ckpt.shards)
     linears = _linear_weight_names(model)
@@ -151,7 +157,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
             if keep_quantized and quant.is_quantized(name, available) and (
                     not auto_gpu or _served_packed(quant, name, shape, available, device, torch_dtype)):
                 sub = {t: v.clone() for t, v in sub.items()}   # aligned copies that do not pin the file mapping
-                quantized_modules[name[: -len(".weight")]] = quant.make_linear(name, sub, shape, device=device)
+                quantized_modules[name[: -len(".weight")]] = make_linear(quant, name, sub, shape, device=device)
                 continue
             state[name] = quant.dequantize(name, sub, shape).to(device=device, dtype=target)
         else:

@@ -41,7 +41,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg)
         self.num_main_layers = cfg.num_hidden_layers
-        self.native = None   # the native CPU decode forward (NativeDecoder), set by ensure_decode_fused()
+        # the native CPU decode forward (a NativeDecoder), set once by mtp_core.native.forward_path.prepare_decode;
+        # the model itself never calls it
+        self.native = None
 
     def __getstate__(self) -> dict:
         """Copies (copy.deepcopy, pickle) drop the decode-time fusion and the native decoder: both are
@@ -61,13 +63,12 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     # ---- serving (paged cache) -----------------------------------------------------------
     def ensure_decode_fused(self) -> None:
-        """Once per model (engines sharing a model prepare it once): the torch path's decode-time weight fusion
-        (each fusion skips itself where it would grow the weights) and the native CPU decode forward, logged."""
+        """Once per model: the torch path's decode-time weight fusion (each fusion skips itself where it would grow
+        the weights), logged. Engines prepare a model through mtp_core.native.forward_path.prepare_decode, which
+        calls this and then builds the native CPU decode forward from the fused weights."""
         if not getattr(self, "decode_fused", False):
             log.info("decode weight fusion: %s", self.fuse_for_decode())
             self.decode_fused = True
-            from mtp_core.model.native_decode import NativeDecoder
-            self.native = NativeDecoder.build(self)
 
     def fuse_for_decode(self) -> dict[str, int]:
         """Serving-time weight fusion of every layer (MLA absorption, stacked experts); each module skips

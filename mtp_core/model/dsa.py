@@ -1,4 +1,4 @@
-"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2): the lightning indexer and its top-k selection.
+"""DeepSeek Sparse Attention (DSA, DeepSeek-V3.2): the lightning indexer, the module that scores keys.
 
 Every attention layer (the MTP modules' too) carries an indexer with its own small projections, Hugging Face
 names under `self_attn.indexer.`:
@@ -13,8 +13,10 @@ the interleaved one. Query s then attends (MLA, unchanged) only to the `index_to
 scores: every visible key while there are at most index_topk of them (dense attention plus the indexer's work),
 a fixed number above that, so the attention cost per token stops growing with the context.
 
-Ties: keys with equal scores are taken lower position first (a stable descending sort), here and in the native
-forward (csrc/cpu/dsa_cpu.cpp), so a selection never depends on how a batch is laid out.
+The scores and the top-k selection are pure maths, in mtp_core/kernels/dsa_ref.py (`index_scores`, `select_topk`),
+shared with the native forward's reference. Ties: keys with equal scores are taken lower position first (a
+stable descending sort), there and in the native forward (csrc/cpu/dsa_cpu.cpp), so a selection never depends
+on how a batch is laid out.
 """
 from __future__ import annotations
 
@@ -24,9 +26,6 @@ from torch import nn
 
 from mtp_core.config import ModelConfig
 from mtp_core.model.rope import RotaryEmbedding
-
-# scores are accumulated over head groups so that [Q, heads, L] is never materialised at once
-_SCORE_CHUNK_FLOATS = 1 << 24
 
 
 class Indexer(nn.Module):
@@ -65,28 +64,3 @@ class Indexer(nn.Module):
         x = x.to(w.dtype) if w.dtype in (torch.float32, torch.bfloat16, torch.float16) else x
         return self.weights_proj(x).float() * self.n_heads ** -0.5
 
-
-def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q [..., Q, heads, Di], w [..., Q, heads], keys [..., L, Di] -> float32 [..., Q, L]:
-    sum_h w_h * relu(q_h . k * Di^-0.5)."""
-    q, w, keys = q.float(), w.float(), keys.float()
-    nh, di = q.shape[-2], q.shape[-1]
-    out = None
-    step = max(1, _SCORE_CHUNK_FLOATS // max(1, q.shape[-3] * keys.shape[-2]))
-    for h0 in range(0, nh, step):
-        h1 = min(nh, h0 + step)
-        s = torch.einsum("...qhd,...ld->...qhl", q[..., h0:h1, :], keys) * di ** -0.5   # [..., Q, h, L]
-        part = (F.relu(s) * w[..., h0:h1, None]).sum(-2)
-        out = part if out is None else out + part
-    return out
-
-
-def select_topk(scores: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
-    """scores [..., Q, L], visible [..., Q, L] bool -> bool [..., Q, L]: the k best visible keys of each query
-    (every visible key when at most k are visible); equal scores go to the lower position first."""
-    if scores.shape[-1] <= k:
-        return visible
-    scores = scores.masked_fill(~visible, float("-inf"))
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-    chosen = torch.zeros_like(visible).scatter_(-1, order, True)
-    return chosen & visible

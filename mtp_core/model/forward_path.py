@@ -1,11 +1,11 @@
-"""The forward path an engine serves its model with: chosen once per engine, logged, then used by every
-serving forward the engine runs (target, MTP modules, LM head).
+"""The interface of a forward path, the object an engine serves its model with (target, MTP modules, LM
+head), and the model's own torch path:
 
-  native  `NativeDecoder` (native_decode.py): one native op per forward over the paged cache, batch-invariant;
-          built once per model where the model allows it (a CPU, the native ops loaded, weights it can read, one
-          process); `MTP_CORE_NATIVE_DECODE=0` keeps it off.
   torch   `TorchForward`: the model's own modules, on every device and for every model; the reference the native
           path is tested against.
+  native  `NativeDecoder` (mtp_core/native/native_decode.py): one native op per forward over the paged cache,
+          batch-invariant, where the model allows it. Which of the two an engine takes is chosen once per engine
+          and logged by mtp_core/native/forward_path.py (`serving_forward`), above both.
 
 Both offer the same three calls, so the runner, the drafters and the benches never ask which one they hold.
 The static (CUDA-graph) step is the third way a step can run: `GraphRunner` runs the torch modules over
@@ -13,15 +13,12 @@ device-only metadata (`AttentionMetadata.uniform`, every MoE dense) and the engi
 """
 from __future__ import annotations
 
-import logging
 from typing import Protocol
 
 import torch
 
 from mtp_core.model.attention_metadata import AttentionMetadata
 from mtp_core.model.deepseek_v3 import DeepseekV3ForCausalLM
-
-log = logging.getLogger("mtp.model")
 
 
 class ForwardPath(Protocol):
@@ -56,11 +53,3 @@ class TorchForward:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
-
-def serving_forward(model: DeepseekV3ForCausalLM) -> ForwardPath:
-    """The path an engine over `model` takes: the model's native decoder where it has one (prepared once per
-    model by ensure_decode_fused, which logs why not otherwise), else its torch modules."""
-    model.ensure_decode_fused()
-    path: ForwardPath = model.native if model.native is not None else TorchForward(model)
-    log.info("engine forward path: %s", path.name)
-    return path

@@ -17,9 +17,10 @@ from torch import nn
 
 from mtp_core import kernels
 from mtp_core.config import ModelConfig
+from mtp_core.kernels.dsa_ref import index_scores, select_topk
 from mtp_core.kv_cache.mla_cache import write_slots
 from mtp_core.model.attention_metadata import AttentionMetadata
-from mtp_core.model.dsa import Indexer, index_scores, select_topk
+from mtp_core.model.dsa import Indexer
 from mtp_core.model.layers import RMSNorm
 from mtp_core.model.rope import RotaryEmbedding
 

@@ -110,7 +110,7 @@ def build_training_model(o: FinetuneOptions) -> tuple[DeepseekV3ForCausalLM, obj
     """float32 model with the source weights (dequantized when quantized); --add_mtp appends N new modules."""
     from mtp_core.loader import load_model
 
-    src_model, ckpt = load_model(o.model_dir, dtype="float32", keep_quantized=False)
+    src_model, ckpt = load_model(o.model_dir, dtype="float32", keep_quantized=False, make_model=DeepseekV3ForCausalLM)
     if ckpt.config.is_dsa:
         raise ValueError(f"{o.model_dir} is a DeepSeek-V3.2 (sparse attention) checkpoint; MTP training covers "
                          "DeepSeek-V3 attention only for now")

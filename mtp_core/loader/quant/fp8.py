@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtp_core.loader.quant import (QuantFormat, check_expected_shape, dense_weight, expect_tensor)
+from mtp_core.loader.quant.base import (QuantFormat, check_expected_shape, dense_weight, expect_tensor)
 
 FP8_E4M3_MAX = 448.0
 ACT_AMAX_FLOOR = 1e-4  # per-token activation groups that are all zero still get a finite scale
@@ -123,8 +123,8 @@ class Fp8BlockFormat(QuantFormat):
             return [weight_name, self.scale_name(weight_name)]
         return [weight_name]
 
-    def _packed(self, weight_name: str, tensors: dict[str, torch.Tensor],
-                expected_shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def packed(self, weight_name: str, tensors: dict[str, torch.Tensor],
+               expected_shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(weight [N, K] e4m3, scale_inv [nb, kb] f32) validated, or None when not quantized."""
         shape = check_expected_shape(weight_name, expected_shape)
         scale_name = self.scale_name(weight_name)
@@ -137,17 +137,7 @@ class Fp8BlockFormat(QuantFormat):
 
     def dequantize(self, weight_name: str, tensors: dict[str, torch.Tensor],
                    expected_shape: tuple[int, int]) -> torch.Tensor:
-        packed = self._packed(weight_name, tensors, expected_shape)
+        packed = self.packed(weight_name, tensors, expected_shape)
         if packed is None:
             return dense_weight(weight_name, tensors, expected_shape, self.scale_name(weight_name))
         return dequantize_fp8_block(packed[0], packed[1], self.block_size)
-
-    def make_linear(self, weight_name: str, tensors: dict[str, torch.Tensor],
-                    expected_shape: tuple[int, int], device: torch.device | str | None = None,
-                    use_deep_gemm: bool | None = None) -> torch.nn.Module:
-        # Imported here: linear.py imports this module's maths.
-        from mtp_core.loader.quant.linear import dense_linear, make_fp8_linear
-        packed = self._packed(weight_name, tensors, expected_shape)
-        if packed is None:
-            return dense_linear(self.dequantize(weight_name, tensors, expected_shape), device)
-        return make_fp8_linear(packed[0], packed[1], self.block_size, device, use_deep_gemm)

@@ -11,6 +11,9 @@ weight-only NVFP4 GEMM (Hopper) or W4A4 FP4 tensor cores (Blackwell), FP8 block 
 installed (Hopper) or torch's block-scaled FP8 matmul; these quantize activations or round to bf16, so
 they are not bit-identical to dequantization. The GPU paths have not been run in this project's CPU-only
 development (scripts/gpu_check.sh runs their tests on a GPU).
+
+`make_linear(fmt, ...)` builds the module for one checkpoint weight of a format (fp8.py, nvfp4.py): this
+module imports the formats' maths and validation, and the formats know nothing of the modules.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from mtp_core.loader.quant.fp8 import dequantize_fp8_block, quantize_activation_per_token_group
-from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4
+from mtp_core.loader.quant.base import QuantFormat
+from mtp_core.loader.quant.fp8 import Fp8BlockFormat, dequantize_fp8_block, quantize_activation_per_token_group
+from mtp_core.loader.quant.nvfp4 import Nvfp4Format, dequantize_nvfp4
 
 logger = logging.getLogger(__name__)
 
@@ -235,3 +239,24 @@ def make_fp8_linear(weight: torch.Tensor, weight_scale_inv: torch.Tensor,
             raise ValueError(f"DeepGEMM FP8 GEMM requested but unavailable: {reason}")
         return Fp8DeepGemmLinear(weight, weight_scale_inv, block_size).to(dev)
     return Fp8BlockLinear(weight, weight_scale_inv, block_size, allow_deep_gemm=use_deep_gemm is None).to(dev)
+
+
+def make_linear(fmt: QuantFormat, weight_name: str, tensors: dict[str, torch.Tensor],
+                expected_shape: tuple[int, int], device: torch.device | str | None = None,
+                use_deep_gemm: bool | None = None) -> torch.nn.Module:
+    """A bias-free linear [..., K] -> [..., N] for one weight of a checkpoint in format `fmt` that keeps the packed
+    tensors and dequantizes in forward; output equals F.linear(x, fmt.dequantize(...).to(x.dtype)) bit for bit
+    (except the optional DeepGEMM FP8 path, which quantizes activations). Its `.weight` is the dequantized float32
+    [N, K] weight (computed per access), for model code that reads weights directly. A weight the checkpoint left
+    unquantized gives a plain nn.Linear. use_deep_gemm: as make_fp8_linear (FP8 only)."""
+    if isinstance(fmt, Nvfp4Format) and use_deep_gemm:
+        raise ValueError(f"{weight_name}: DeepGEMM applies to FP8 checkpoints, not NVFP4")
+    packed = fmt.packed(weight_name, tensors, expected_shape)
+    if packed is None:
+        return dense_linear(fmt.dequantize(weight_name, tensors, expected_shape), device)
+    if isinstance(fmt, Fp8BlockFormat):
+        return make_fp8_linear(packed[0], packed[1], fmt.block_size, device, use_deep_gemm)
+    if isinstance(fmt, Nvfp4Format):
+        module = Nvfp4Linear(*packed, group=fmt.group_size)
+        return module.to(device) if device is not None else module
+    raise ValueError(f"{weight_name}: no keep-quantized linear for the {fmt.name} format")

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mtp_core.loader.quant import (QuantFormat, check_expected_shape, dense_weight, expect_scalar,
-                                   expect_tensor)
+from mtp_core.loader.quant.base import (QuantFormat, check_expected_shape, dense_weight, expect_scalar,
+                                        expect_tensor)
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -138,9 +138,9 @@ class Nvfp4Format(QuantFormat):
         scale, scale_2, input_scale = self.companion_names(weight_name)
         return [weight_name, scale, scale_2] + ([input_scale] if input_scale in available else [])
 
-    def _packed(self, weight_name: str, tensors: dict[str, torch.Tensor],
-                expected_shape: tuple[int, int]
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    def packed(self, weight_name: str, tensors: dict[str, torch.Tensor],
+               expected_shape: tuple[int, int]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """Validated (weight u8 [N, K/2], scale e4m3 [N, K/16], scale_2 [], input_scale [] | None),
         or None when the weight is not quantized."""
         n, k = check_expected_shape(weight_name, expected_shape)
@@ -159,21 +159,8 @@ class Nvfp4Format(QuantFormat):
 
     def dequantize(self, weight_name: str, tensors: dict[str, torch.Tensor],
                    expected_shape: tuple[int, int]) -> torch.Tensor:
-        packed = self._packed(weight_name, tensors, expected_shape)
+        packed = self.packed(weight_name, tensors, expected_shape)
         if packed is None:
             return dense_weight(weight_name, tensors, expected_shape,
                                 self.companion_names(weight_name)[0])
         return dequantize_nvfp4(packed[0], packed[1], packed[2], self.group_size)
-
-    def make_linear(self, weight_name: str, tensors: dict[str, torch.Tensor],
-                    expected_shape: tuple[int, int], device: torch.device | str | None = None,
-                    use_deep_gemm: bool | None = None) -> torch.nn.Module:
-        # Imported here: linear.py imports this module's maths.
-        from mtp_core.loader.quant.linear import Nvfp4Linear, dense_linear
-        if use_deep_gemm:
-            raise ValueError(f"{weight_name}: DeepGEMM applies to FP8 checkpoints, not NVFP4")
-        packed = self._packed(weight_name, tensors, expected_shape)
-        if packed is None:
-            return dense_linear(self.dequantize(weight_name, tensors, expected_shape), device)
-        module = Nvfp4Linear(*packed, group=self.group_size)
-        return module.to(device) if device is not None else module

@@ -24,7 +24,7 @@ from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
 from mtp_core.model.attention_metadata import AttentionMetadata
 from mtp_core.model.layers import MLP
 from mtp_core.model.moe import MoE
-from mtp_core.model.native_weights import NativeWeights, build_native_weights, choose_layout
+from mtp_core.native.native_weights import NativeWeights, build_native_weights, choose_layout
 
 log = logging.getLogger("mtp.model")
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from mtp_core import kernels
 from mtp_core.kernels import nvfp4_layout
+from mtp_core.kernels.mat import BF16, COLS, F32, FP8, NVFP4, PAIRS, PANEL, ROWS
 from mtp_core.loader.quant.fp8 import dequantize_fp8_block
 from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
 from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4
@@ -39,8 +40,6 @@ from mtp_core.model.moe import MoE
 
 log = logging.getLogger("mtp.model")
 
-F32, BF16, FP8, NVFP4 = 0, 1, 2, 3          # csrc/cpu/decode_kernels.h: Fmt
-ROWS, COLS, PANEL, PAIRS = 0, 1, 2, 3        # csrc/cpu/decode_kernels.h: Layout
 FMT_NAMES = {F32: "fp32", BF16: "bf16", FP8: "fp8", NVFP4: "nvfp4"}
 PACKED_MAX_BYTES = 64 << 20    # packed layout (repacked copies, pre-absorbed MLA) up to this many weight bytes
 LAYOUTS = ("auto", "direct", "packed")
@@ -48,7 +47,8 @@ LAYOUTS = ("auto", "direct", "packed")
 
 @dataclass
 class Matrix:
-    """W [n outputs, k inputs] as the kernels read it (csrc/cpu/decode_kernels.h: Mat)."""
+    """W [n outputs, k inputs] as the kernels read it (csrc/cpu/decode_kernels.h: Mat; the codes of its format and
+    layout: kernels/mat.py)."""
     layout: int
     fmt: int
     n: int
@@ -248,23 +248,6 @@ class LayerWeights:
             f.entries(f"{p}experts.{e}", tensors, ints, floats)
         if self.shared is not None:
             self.shared.entries(p + "shared", tensors, ints, floats)
-
-
-def amx_takes(m: Matrix) -> bool:
-    """csrc/cpu/amx_gemm.h: amx_takes."""
-    return m.layout == ROWS and m.fmt == BF16 and m.k % 32 == 0
-
-
-def dot_takes(m: Matrix) -> bool:
-    """csrc/cpu/dot_gemm.h: dot_takes."""
-    return m.layout == ROWS and m.fmt in (BF16, FP8, NVFP4)
-
-
-def bf16_acts(m: Matrix, dims: dict) -> bool:
-    """Whether the native forward rounds this matrix's activations to bf16: it runs on the AMX tiles
-    (dims["amx"]) or on the AVX512-BF16 dot products (dims["bf16_dot"], and every matrix packed in input pairs);
-    every other matrix sees fp32."""
-    return bool(m.layout == PAIRS or (dims.get("amx") and amx_takes(m)) or (dims.get("bf16_dot") and dot_takes(m)))
 
 
 @dataclass
