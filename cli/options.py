@@ -58,11 +58,6 @@ def option(flag: Flag, brief: bool = False) -> tuple[Any, Any]:
     return hint, typer.Option(default, *names, help=text)
 
 
-def brief_option(key: str) -> Any:
-    """The typer.Option of an engine flag as bench and sweep list it (the annotation: `option(...)[0]`)."""
-    return option(_flags({})[key], brief=True)[1]
-
-
 Own = Union[Flag, tuple[Any, Any]]   # a command's own option: a Flag, or (annotation, typer.Option)
 
 
