@@ -62,9 +62,9 @@ REQUEST_FLAGS = {flag.key: flag for flag in (
     Flag("--seed", "Random seed for sampling.", type=Optional[int], default=None),
     Flag("--apply_chat_template", "Wrap prompts in the chat template.", type=bool, default=False),
 )}
-# --help in TensorRT-LLM's quickstart_advanced.py order: the schema's engine flags in declaration order
-# (mtp_core/config/engine.py), then the commands' own (cli/options.py), with these runs filed right after the
-# flag named: the request's flags, and the engine flags quickstart_advanced.py lists among them
+# the options in --help order: the schema's engine flags in declaration order (mtp_core/config/engine.py), then
+# the commands' own (cli/options.py), with these runs filed right after the flag named: the request's flags, and
+# the engine flags --help shows among them (dtype, threads, parallelism, MoE)
 PLACED = {
     "model_dir": ("prompt", "max_tokens"),
     "spec_decode_acceptance_length_threshold": ("temperature", "top_k", "top_p", "seed", "dtype", "num_threads",
