@@ -58,6 +58,10 @@ def option(flag: Flag, brief: bool = False) -> tuple[Any, Any]:
     return hint, typer.Option(default, *names, help=text)
 
 
+# --log_level of the commands that run no engine (prepare-dataset, train-mtp): COMMAND_FLAGS' in its brief form
+LOG_LEVEL = option(COMMAND_FLAGS["log_level"], brief=True)[1]
+
+
 Own = Union[Flag, tuple[Any, Any]]   # a command's own option: a Flag, or (annotation, typer.Option)
 
 

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import typer
 
 from cli.common import DEFAULT_MODEL_DIR, run_or_exit, setup_logging
+from cli.options import LOG_LEVEL
 
 
 def prepare_dataset_command(
@@ -32,7 +33,7 @@ def prepare_dataset_command(
                              "task prompts ship drawn with 1234)."),
     shared_prefix: int = typer.Option(0, "--shared_prefix", help="The same N tokens before every request "
                                       "(prefix-caching benchmarks; 0 = none)."),
-    log_level: str = typer.Option("warning", "--log_level", help="debug | info | warning | error."),
+    log_level: str = LOG_LEVEL,
 ) -> None:
     setup_logging(log_level)
 
