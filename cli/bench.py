@@ -107,6 +107,7 @@ set_parameters(bench_command, parameters(FLAGS, OWN, brief=True))
 
 
 def _check_counts(p: dict[str, Any]) -> None:
+    """--num_requests, --warmup and --concurrency in range (checked alike locally and over HTTP)."""
     for name in ("num_requests", "warmup"):
         if p[name] < 0:
             raise ValueError(f"--{name} must be >= 0, got {p[name]}")
