@@ -2,15 +2,18 @@
 
 A command lists flag keys; each key's option (names and aliases, type, default, help, choices) comes from the
 field that declares it, or from COMMAND_FLAGS (options of every engine command that set no field), or from
-the command's own flags. quickstart and serve show every flag in full; bench and sweep show some `brief`ly
-(a shorter help, choices as plain text that the config checks instead of the option parser).
+the command's own options (a `Flag`, or an `(annotation, typer.Option)` pair for what a Flag cannot say: an
+`--x/--no_x` pair, an environment variable). quickstart and serve show every flag in full; bench and sweep
+show theirs `brief`ly (a shorter help, choices as plain text that the config checks instead of the option
+parser). `section_keys` and `help_order` read the flag lists off the schema, so a new field's flag reaches
+every command that lists its section (or, for quickstart and serve, every flag) with no edit here.
 """
 from __future__ import annotations
 
 import inspect
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Union
 
 import typer
 
@@ -55,17 +58,43 @@ def option(flag: Flag, brief: bool = False) -> tuple[Any, Any]:
     return hint, typer.Option(default, *names, help=text)
 
 
-def brief_option(key: str) -> Any:
-    """The typer.Option of an engine flag as bench and sweep list it (the annotation: `option(...)[0]`)."""
-    return option(_flags({})[key], brief=True)[1]
+# --log_level of the commands that run no engine (prepare-dataset, train-mtp): COMMAND_FLAGS' in its brief form
+LOG_LEVEL = option(COMMAND_FLAGS["log_level"], brief=True)[1]
 
 
-def parameters(keys: tuple[str, ...], own: Mapping[str, Flag] = {}) -> list[inspect.Parameter]:
-    """The full options of these flag keys, in this order; own: the command's own flags."""
-    flags = _flags(own)
+Own = Union[Flag, tuple[Any, Any]]   # a command's own option: a Flag, or (annotation, typer.Option)
+
+
+def section_keys(section: str) -> tuple[str, ...]:
+    """The keys of the flags that set an LLMConfig section (its switch included), in declaration order."""
+    return tuple(key for key, b in engine_flags().items() if section in (b.section, b.entry.name))
+
+
+def help_order(placed: Mapping[str, tuple[str, ...]], keys: Optional[tuple[str, ...]] = None) -> tuple[str, ...]:
+    """`keys` (default: every engine flag in the schema's declaration order, then COMMAND_FLAGS) with each run of
+    keys in `placed` put right after the key it is filed under (a command's own flags, or flags it shows elsewhere)."""
+    moved = {key for run in placed.values() for key in run}
+    out: list[str] = []
+
+    def put(key: str) -> None:
+        out.append(key)
+        for after in placed.get(key, ()):
+            put(after)
+
+    for key in keys if keys is not None else (*engine_flags(), *COMMAND_FLAGS):
+        if key not in moved:
+            put(key)
+    return tuple(out)
+
+
+def parameters(keys: tuple[str, ...], own: Mapping[str, Own] = {}, brief: bool = False) -> list[inspect.Parameter]:
+    """The options of these flag keys, in this order; own: the command's own options; brief: bench / sweep's form
+    of the engine flags."""
+    flags = _flags({key: o for key, o in own.items() if isinstance(o, Flag)})
     out = []
     for key in keys:
-        hint, info = option(flags[key])
+        mine = own.get(key)
+        hint, info = mine if isinstance(mine, tuple) else option(flags[key], brief)
         out.append(inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=hint))
     return out
 

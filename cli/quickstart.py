@@ -15,8 +15,7 @@ import typer
 
 from cli.common import (EXIT_INTERRUPT, Progress, build_llm_config, install_one_line_usage_errors, run_or_exit,
                         setup_logging, warn_ignored_flags, write_lines)
-from cli.options import explicit_params, parameters, plain, set_parameters
-from mtp_core.config.flags import engine_flags
+from cli.options import explicit_params, help_order, parameters, plain, set_parameters
 from mtp_core.config.schema import Flag
 
 install_one_line_usage_errors()
@@ -63,18 +62,16 @@ REQUEST_FLAGS = {flag.key: flag for flag in (
     Flag("--seed", "Random seed for sampling.", type=Optional[int], default=None),
     Flag("--apply_chat_template", "Wrap prompts in the chat template.", type=bool, default=False),
 )}
-# the options in --help order: every engine flag of the schema (mtp_core/config/engine.py), the request's
-# flags and the commands' own (cli/options.py)
-FLAGS = (
-    "model_dir", "prompt", "max_tokens", "max_batch_size", "max_num_tokens", "max_seq_len", "spec_decode_algo",
-    "spec_decode_max_draft_len", "use_relaxed_acceptance_for_thinking", "relaxed_topk", "relaxed_delta",
-    "use_mtp_vanilla", "mtp_mode", "spec_decode_draft_len_policy", "spec_decode_draft_confidence",
-    "spec_decode_draft_len_schedule", "spec_decode_acceptance_window", "spec_decode_acceptance_length_threshold",
-    "temperature", "top_k", "top_p", "seed", "dtype", "num_threads", "tp_size", "moe_ep_size", "moe_backend",
-    "kv_cache_fraction", "kv_cache_dtype", "disable_kv_cache_reuse", "use_cuda_graph", "cuda_graph_batch_sizes",
-    "cuda_graph_padding_enabled", "disable_overlap_scheduler", "enable_chunked_prefill", "print_iter_log",
-    "keep_quantized", "dequantize", "apply_chat_template", "trust_remote_code", "extra_llm_api_options", "log_level",
-)
+# the options in --help order: the schema's engine flags in declaration order (mtp_core/config/engine.py), then
+# the commands' own (cli/options.py), with these runs filed right after the flag named: the request's flags, and
+# the engine flags --help shows among them (dtype, threads, parallelism, MoE)
+PLACED = {
+    "model_dir": ("prompt", "max_tokens"),
+    "spec_decode_acceptance_length_threshold": ("temperature", "top_k", "top_p", "seed", "dtype", "num_threads",
+                                                "tp_size", "moe_ep_size", "moe_backend"),
+    "dequantize": ("apply_chat_template",),
+}
+FLAGS = help_order(PLACED)
 
 
 def quickstart_command(ctx: typer.Context, **flags: Any) -> None:
@@ -83,7 +80,7 @@ def quickstart_command(ctx: typer.Context, **flags: Any) -> None:
     run_or_exit(lambda: _run(params, explicit_params(ctx)))
 
 
-assert set(engine_flags()) <= set(FLAGS), "an engine flag of the schema is missing from quickstart's FLAGS"
+assert set(REQUEST_FLAGS) <= set(FLAGS), "a request flag is missing from quickstart's PLACED"
 set_parameters(quickstart_command, parameters(FLAGS, REQUEST_FLAGS))
 
 

@@ -122,58 +122,18 @@ def _signals_raise() -> Iterator[None]:
 
 
 def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
-    from mtp_core.serve.app import REASONING_PARSERS, ServeOptions, build_app
     from mtp_core.serve.server import bind, serve
 
     warn_ignored_flags(p)
-    if p["reasoning_parser"] is not None and p["reasoning_parser"] not in REASONING_PARSERS:
-        raise ValueError(f"--reasoning_parser {p['reasoning_parser']!r} is unknown; use "
-                         f"{', '.join(REASONING_PARSERS)}")
-    if not 0 <= p["port"] <= 65535:
-        raise ValueError(f"--port must be in 0..65535, got {p['port']}")
-    if p["shutdown_timeout"] < 0:
-        raise ValueError(f"--shutdown_timeout must be >= 0, got {p['shutdown_timeout']}")
-    if p["tp_size"] != 1 or p["moe_ep_size"] not in (-1, 1):
-        raise ValueError("mtp serve runs one process; drop --tp_size / --moe_ep_size (tensor and expert "
-                         "parallel serving is not supported yet)")
-    origins = [o.strip() for o in (p["allowed_origins"] or "").split(",") if o.strip()]
-    options = ServeOptions(api_key=p["api_key"], allowed_origins=origins, max_request_bytes=p["max_request_bytes"])
-    options.validate()
-    cfg = build_llm_config(p, explicit)
-    if cfg.num_threads is None and cfg.device == "cpu":
-        cfg.num_threads = engine_threads()
-        log.info("engine threads: %d (--num_threads to change)", cfg.num_threads)
-    if cfg.enable_chunked_prefill and "max_num_tokens" not in explicit:
-        k = cfg.speculative_config.max_draft_len if cfg.speculative_config else 0
-        cfg.max_num_tokens = cfg.max_batch_size * (k + 1) + SERVE_PREFILL_CHUNK
+    options = _serve_options_checked(p)
+    cfg = _engine_config(p, explicit)
     sock = bind(p["host"], p["port"])          # before loading: a busy port fails fast
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     name = p["served_model_name"] or Path(cfg.model_dir).name
     level = str(p["log_level"])
     try:
         with _signals_raise():
-            if p["engine_in_thread"]:
-                from mtp_core.llm import LLM
-                from mtp_core.serve.engine_proc import server_info
-
-                iter_log = (lambda s: print(s, file=sys.stderr)) if cfg.print_iter_log else None
-                llm = LLM(cfg, iter_log=iter_log)
-                app = build_app(llm, name, p["reasoning_parser"], info=server_info(cfg, llm), options=options)
-            else:
-                from mtp_core.serve.engine_client import EngineProcess
-                from mtp_core.tokenizer import Tokenizer
-
-                engine = EngineProcess(cfg, level)
-                print(f"loading {cfg.model_dir} in the engine process (pid {engine.proc.pid})", file=sys.stderr,
-                      flush=True)
-                try:
-                    tokenizer = Tokenizer.from_dir(cfg.model_dir)      # while the engine loads the model
-                    engine.wait_ready()
-                    app = build_app(engine, name, p["reasoning_parser"], tokenizer=tokenizer,
-                                    model_dir=cfg.model_dir, options=options)
-                except BaseException:
-                    engine.kill()
-                    raise
+            app = _load_app(cfg, name, p, options, level)
     except _Interrupted as e:
         sock.close()
         print(f"stopped: {e} arrived while the model was loading", file=sys.stderr, flush=True)
@@ -187,3 +147,62 @@ def _run(p: dict[str, Any], explicit: dict[str, Any]) -> None:
 
     serve(app, sock, p["shutdown_timeout"], "debug" if level == "debug" else "warning", on_ready=ready)
     print("server stopped", file=sys.stderr, flush=True)
+
+
+def _serve_options_checked(p: dict[str, Any]) -> Any:
+    """The server's own options, checked (before anything loads), as the app's ServeOptions."""
+    from mtp_core.serve.app import REASONING_PARSERS, ServeOptions
+
+    if p["reasoning_parser"] is not None and p["reasoning_parser"] not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning_parser {p['reasoning_parser']!r} is unknown; use "
+                         f"{', '.join(REASONING_PARSERS)}")
+    if not 0 <= p["port"] <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {p['port']}")
+    if p["shutdown_timeout"] < 0:
+        raise ValueError(f"--shutdown_timeout must be >= 0, got {p['shutdown_timeout']}")
+    if p["tp_size"] != 1 or p["moe_ep_size"] not in (-1, 1):
+        raise ValueError("mtp serve runs one process; drop --tp_size / --moe_ep_size (tensor and expert "
+                         "parallel serving is not supported yet)")
+    origins = [o.strip() for o in (p["allowed_origins"] or "").split(",") if o.strip()]
+    options = ServeOptions(api_key=p["api_key"], allowed_origins=origins, max_request_bytes=p["max_request_bytes"])
+    options.validate()
+    return options
+
+
+def _engine_config(p: dict[str, Any], explicit: dict[str, Any]) -> Any:
+    """quickstart's LLMConfig with serve's defaults: a core left to the API process, chunked prefill's step size."""
+    cfg = build_llm_config(p, explicit)
+    if cfg.num_threads is None and cfg.device == "cpu":
+        cfg.num_threads = engine_threads()
+        log.info("engine threads: %d (--num_threads to change)", cfg.num_threads)
+    if cfg.enable_chunked_prefill and "max_num_tokens" not in explicit:
+        k = cfg.speculative_config.max_draft_len if cfg.speculative_config else 0
+        cfg.max_num_tokens = cfg.max_batch_size * (k + 1) + SERVE_PREFILL_CHUNK
+    return cfg
+
+
+def _load_app(cfg: Any, name: str, p: dict[str, Any], options: Any, level: str) -> Any:
+    """The app over the engine: in its own process (the tokenizer loads here meanwhile), or with
+    --engine_in_thread an LLM in this one."""
+    from mtp_core.serve.app import build_app
+
+    if p["engine_in_thread"]:
+        from mtp_core.llm import LLM
+        from mtp_core.serve.engine_proc import server_info
+
+        iter_log = (lambda s: print(s, file=sys.stderr)) if cfg.print_iter_log else None
+        llm = LLM(cfg, iter_log=iter_log)
+        return build_app(llm, name, p["reasoning_parser"], info=server_info(cfg, llm), options=options)
+    from mtp_core.serve.engine_client import EngineProcess
+    from mtp_core.tokenizer import Tokenizer
+
+    engine = EngineProcess(cfg, level)
+    print(f"loading {cfg.model_dir} in the engine process (pid {engine.proc.pid})", file=sys.stderr, flush=True)
+    try:
+        tokenizer = Tokenizer.from_dir(cfg.model_dir)      # while the engine loads the model
+        engine.wait_ready()
+        return build_app(engine, name, p["reasoning_parser"], tokenizer=tokenizer, model_dir=cfg.model_dir,
+                         options=options)
+    except BaseException:
+        engine.kill()
+        raise

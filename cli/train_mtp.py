@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from cli.common import run_or_exit, setup_logging
+from cli.options import LOG_LEVEL
 
 
 def train_mtp_command(
@@ -41,7 +42,7 @@ def train_mtp_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out (at the end, atomically)."),
     no_chat_template: bool = typer.Option(False, "--no_chat_template", help="Do not wrap text prompts in the chat template."),
     copy: bool = typer.Option(False, "--copy", help="Copy untouched shards instead of hard-linking them."),
-    log_level: str = typer.Option("warning", "--log_level", help="debug | info | warning | error."),
+    log_level: str = LOG_LEVEL,
 ) -> None:
     setup_logging(log_level)
 

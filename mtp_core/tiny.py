@@ -74,10 +74,15 @@ def tiny_config_dict(vocab_size: int, num_layers: int = 2, num_mtp: int = 1, q_l
         cfg.update(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", index_topk=index_topk,
                    index_head_dim=16, index_n_heads=4)
     if yarn:
-        cfg["rope_scaling"] = {"type": "yarn", "rope_type": "yarn", "factor": 4.0,
-                               "original_max_position_embeddings": max_position_embeddings // 4,
-                               "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 1.0}
+        cfg["rope_scaling"] = _yarn_scaling(max_position_embeddings)
     return cfg
+
+
+def _yarn_scaling(max_position_embeddings: int) -> dict:
+    """YaRN rope scaling: 4x over an original context of a quarter of max_position_embeddings."""
+    return {"type": "yarn", "rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": max_position_embeddings // 4,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 0.8, "mscale_all_dim": 1.0}
 
 
 @torch.no_grad()

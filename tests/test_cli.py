@@ -115,3 +115,23 @@ def test_make_tiny_refuses_nonempty(tmp_path: Path) -> None:
     r = mtp("make-tiny", str(tmp_path))
     assert r.returncode == 2 and "not empty" in r.stderr
     assert (tmp_path / "x").read_text() == "keep me"
+
+
+def test_flag_lists_come_from_the_schema() -> None:
+    """Every engine flag of the schema reaches quickstart and serve, the whole speculative section reaches bench,
+    and each key is listed once (the lists are derived: cli/options.py help_order and section_keys)."""
+    import inspect
+
+    from cli.bench import FLAGS as BENCH_FLAGS
+    from cli.options import help_order, section_keys
+    from cli.quickstart import FLAGS, REQUEST_FLAGS
+    from cli.serve import serve_command
+    from mtp_core.config.flags import engine_flags, section_flags
+
+    assert set(engine_flags()) | set(REQUEST_FLAGS) <= set(FLAGS) and len(FLAGS) == len(set(FLAGS))
+    assert set(engine_flags()) <= set(inspect.signature(serve_command).parameters)
+    spec = section_keys("speculative_config")
+    assert spec[0] == "spec_decode_algo" and set(spec[1:]) == set(section_flags("speculative_config"))
+    assert set(spec) <= set(BENCH_FLAGS) and len(BENCH_FLAGS) == len(set(BENCH_FLAGS))
+    # runs filed after a key, a run's own keys may carry runs too; the rest keeps its order
+    assert help_order({"b": ("x", "y"), "x": ("z",)}, ("a", "b", "c", "y")) == ("a", "b", "x", "z", "y", "c")

@@ -186,8 +186,19 @@ def format_report(r: dict) -> str:
                *_breakdown("TTFT", p["ttft_percentiles_ms"]), *_breakdown("TPOT", p["tpot_percentiles_ms"]),
                *_breakdown("Latency", p["request_latency_percentiles_ms"]),
                *_breakdown("ITL", s["itl_percentiles"])])]
+    out.append(_decoding_section(r, d))
+    out += _optional_sections(r)
+    out.append(_section("DATASET DETAILS", [("Dataset Path", ds["path"]),
+                                            ("Number of Sequences", ds["num_requests_used"]),
+                                            ("Average ISL", ds["avg_isl"]), ("Average OSL", ds["avg_osl"]),
+                                            ("Max ISL", ds["max_isl"]), ("Max OSL", ds["max_osl"])]))
+    return "\n".join(out)
+
+
+def _decoding_section(r: dict, d: dict) -> str:
+    """DECODING STATISTICS: acceptance, drafts per step, the draft-length policy."""
     per_pos = ", ".join(f"{x:.3f}" for x in d["acceptance_per_position"]) or "-"
-    out.append(_section(f"DECODING STATISTICS ({d['mode']})", [
+    return _section(f"DECODING STATISTICS ({d['mode']})", [
         *([("DRAFT ACCEPTANCE", r["replay_acceptance"]["label"])] if r.get("replay_acceptance") else []),
         ("Max draft length (K)", d["max_draft_len"]), ("Decoding steps", d["num_decoding_steps"]),
         ("Drafts proposed", d["num_draft_tokens"]), ("Drafts accepted", d["num_accepted_draft_tokens"]),
@@ -205,7 +216,12 @@ def format_report(r: dict) -> str:
           if r.get("draft_len_policy") else []),
         ("Waste (verified / accepted)", d["waste_verified_per_accepted"]),
         ("Acceptance-window pauses", d["num_window_pauses"]),
-        *_breakdown("AL", d["acceptance_length_percentiles"])]))
+        *_breakdown("AL", d["acceptance_length_percentiles"])])
+
+
+def _optional_sections(r: dict) -> list[str]:
+    """PREFIX CACHE and ROOFLINE, when the report has them."""
+    out = []
     if r.get("prefix_cache"):
         pc = r["prefix_cache"]
         out.append(_section("PREFIX CACHE (KV block reuse)", [
@@ -220,8 +236,4 @@ def format_report(r: dict) -> str:
             ("Memory bandwidth (GB/s)", rf["bandwidth_gb_s"]), ("Bytes read per step (MB)", rf["step_bytes"] / 1e6),
             ("Floor step time (ms)", rf["floor_step_ms"]), ("Measured step time (ms)", rf["measured_step_ms"]),
             ("Floor / measured", rf["floor_over_measured"])]))
-    out.append(_section("DATASET DETAILS", [("Dataset Path", ds["path"]),
-                                            ("Number of Sequences", ds["num_requests_used"]),
-                                            ("Average ISL", ds["avg_isl"]), ("Average OSL", ds["avg_osl"]),
-                                            ("Max ISL", ds["max_isl"]), ("Max OSL", ds["max_osl"])]))
-    return "\n".join(out)
+    return out

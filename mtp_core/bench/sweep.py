@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 from mtp_core.bench.metrics import RequestRecord, decode_step_time_s, summarize_decoding, summarize_performance
 from mtp_core.bench.runner import run_requests
 from mtp_core.config import LLMConfig, SpeculativeConfig
+from mtp_core.config.engine import SWEEP_RELAXED_DELTA, SWEEP_RELAXED_K, SWEEP_RELAXED_TOPK
 from mtp_core.engine.engine import Engine
 
 
@@ -50,7 +51,8 @@ class Setting:
 
 
 def sweep_settings(num_modules: int, max_nextn: int = 5, modes: tuple[str, ...] = ("eagle", "vanilla"),
-                   relaxed_nextn: int = 3, relaxed_topk: int = 10, relaxed_delta: float = 0.6,
+                   relaxed_nextn: int = SWEEP_RELAXED_K, relaxed_topk: int = SWEEP_RELAXED_TOPK,
+                   relaxed_delta: float = SWEEP_RELAXED_DELTA,
                    relaxed_mode: str = "auto", adaptive_nextn: int = 0, adaptive_confidence: float = 0.0,
                    adaptive_schedule: Optional[dict[int, int]] = None, adaptive_window: int = 0,
                    adaptive_window_threshold: float = 0.0, policy_nextn: int = 0) -> list[Setting]:

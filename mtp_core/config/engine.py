@@ -16,6 +16,9 @@ from .schema import Flag, Rule, opt, section, validate
 
 MTP_MODES = ("auto", "eagle", "vanilla")
 DRAFT_LEN_POLICIES = ("cost", "fixed")       # speculative/policy.py: what each one does
+# `mtp sweep`'s relaxed-acceptance row: its K, top-k and delta (top-10, delta 0.6: NVIDIA's write-up); the
+# defaults of the command's flags and of mtp_core/bench/sweep.py: sweep_settings
+SWEEP_RELAXED_K, SWEEP_RELAXED_TOPK, SWEEP_RELAXED_DELTA = 3, 10, 0.6
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "float32", "bfloat16", "float16")
 # TensorRT-LLM's MoE backends (its order); the flag lists the PyTorch one (VANILLA) first

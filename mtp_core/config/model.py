@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 _DSA_DEFAULTS = {"index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64}
 _REQUIRED_INT = (
@@ -143,32 +143,11 @@ class ModelConfig:
         return cls.from_dict(d, source=str(path))
 
     def validate(self, source: str = "config.json") -> None:
+        """Raises ValueError("{source}: ...") naming the first field out of range, in the order checked below."""
         def bad(msg: str) -> None:
             raise ValueError(f"{source}: {msg}")
 
-        def is_int(v: Any) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v: Any) -> bool:
-            return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-        for k in _REQUIRED_INT:
-            v = getattr(self, k)
-            if not is_int(v) or v <= 0:
-                bad(f"{k} must be a positive integer, got {v!r}")
-        for k in ("moe_intermediate_size", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
-                  "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers", "max_position_embeddings"):
-            v = getattr(self, k)
-            if not is_int(v) or v < 0:
-                bad(f"{k} must be a non-negative integer, got {v!r}")
-        if self.n_routed_experts is not None and (not is_int(self.n_routed_experts) or self.n_routed_experts < 0):
-            bad(f"n_routed_experts must be null or a non-negative integer, got {self.n_routed_experts!r}")
-        for k in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
-            v = getattr(self, k)
-            if not is_num(v) or v <= 0:
-                bad(f"{k} must be a positive number, got {v!r}")
-        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-            bad(f"q_lora_rank must be null or a positive integer, got {self.q_lora_rank!r}")
+        self._check_types(bad)
         if self.num_nextn_predict_layers < 0:
             bad(f"num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}")
         if self.qk_rope_head_dim % 2:
@@ -176,26 +155,64 @@ class ModelConfig:
         if self.hidden_act != "silu":
             bad(f"hidden_act {self.hidden_act!r} is not supported (DeepSeek-V3 uses silu)")
         if self.n_routed_experts:
-            if self.moe_intermediate_size <= 0:
-                bad("moe_intermediate_size must be > 0 when n_routed_experts is set")
-            if not (0 < self.num_experts_per_tok <= self.n_routed_experts):
-                bad(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..n_routed_experts="
-                    f"{self.n_routed_experts}")
-            if self.n_group <= 0 or self.n_routed_experts % self.n_group:
-                bad(f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}")
-            if not (0 < self.topk_group <= self.n_group):
-                bad(f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
-            per_group = self.n_routed_experts // self.n_group
-            if self.topk_group * per_group < self.num_experts_per_tok:
-                bad(f"topk_group={self.topk_group} groups of {per_group} experts cannot hold "
-                    f"num_experts_per_tok={self.num_experts_per_tok} experts")
-            if self.n_group > 1 and per_group < 2:
-                bad(f"group-limited routing needs >= 2 experts per group (n_routed_experts="
-                    f"{self.n_routed_experts}, n_group={self.n_group})")
-            if self.scoring_func != "sigmoid":
-                bad(f"scoring_func {self.scoring_func!r} is not supported (DeepSeek-V3 uses sigmoid)")
+            self._check_routing(bad)
         if self.moe_layer_freq <= 0:
             bad(f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+        self._check_rope_scaling(bad)
+        if self.is_dsa:
+            self._check_dsa(bad)
+        mlp_types = self.raw.get("mlp_layer_types")
+        if mlp_types is not None:
+            want = ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
+            if list(mlp_types) != want:
+                bad(f"mlp_layer_types {list(mlp_types)} disagrees with first_k_dense_replace="
+                    f"{self.first_k_dense_replace} / moe_layer_freq={self.moe_layer_freq} ({want}); only that "
+                    "pattern is supported")
+        if self.tie_word_embeddings:
+            bad("tie_word_embeddings=true is not a DeepSeek-V3 layout (lm_head is separate)")
+
+    def _check_types(self, bad: Callable[[str], None]) -> None:
+        """Every size a positive (or non-negative) integer, every scale a positive number."""
+        for k in _REQUIRED_INT:
+            v = getattr(self, k)
+            if not _is_int(v) or v <= 0:
+                bad(f"{k} must be a positive integer, got {v!r}")
+        for k in ("moe_intermediate_size", "n_shared_experts", "num_experts_per_tok", "n_group", "topk_group",
+                  "first_k_dense_replace", "moe_layer_freq", "num_nextn_predict_layers", "max_position_embeddings"):
+            v = getattr(self, k)
+            if not _is_int(v) or v < 0:
+                bad(f"{k} must be a non-negative integer, got {v!r}")
+        if self.n_routed_experts is not None and (not _is_int(self.n_routed_experts) or self.n_routed_experts < 0):
+            bad(f"n_routed_experts must be null or a non-negative integer, got {self.n_routed_experts!r}")
+        for k in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
+            v = getattr(self, k)
+            if not _is_num(v) or v <= 0:
+                bad(f"{k} must be a positive number, got {v!r}")
+        if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
+            bad(f"q_lora_rank must be null or a positive integer, got {self.q_lora_rank!r}")
+
+    def _check_routing(self, bad: Callable[[str], None]) -> None:
+        """The MoE router's groups and top-k fit the routed experts (DeepSeek-V3's sigmoid scoring)."""
+        if self.moe_intermediate_size <= 0:
+            bad("moe_intermediate_size must be > 0 when n_routed_experts is set")
+        if not (0 < self.num_experts_per_tok <= self.n_routed_experts):
+            bad(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..n_routed_experts="
+                f"{self.n_routed_experts}")
+        if self.n_group <= 0 or self.n_routed_experts % self.n_group:
+            bad(f"n_routed_experts={self.n_routed_experts} is not divisible by n_group={self.n_group}")
+        if not (0 < self.topk_group <= self.n_group):
+            bad(f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}")
+        per_group = self.n_routed_experts // self.n_group
+        if self.topk_group * per_group < self.num_experts_per_tok:
+            bad(f"topk_group={self.topk_group} groups of {per_group} experts cannot hold "
+                f"num_experts_per_tok={self.num_experts_per_tok} experts")
+        if self.n_group > 1 and per_group < 2:
+            bad(f"group-limited routing needs >= 2 experts per group (n_routed_experts="
+                f"{self.n_routed_experts}, n_group={self.n_group})")
+        if self.scoring_func != "sigmoid":
+            bad(f"scoring_func {self.scoring_func!r} is not supported (DeepSeek-V3 uses sigmoid)")
+
+    def _check_rope_scaling(self, bad: Callable[[str], None]) -> None:
         rs = self.rope_scaling
         if rs is not None:
             if not isinstance(rs, dict):
@@ -207,25 +224,26 @@ class ModelConfig:
                 for k in ("factor", "original_max_position_embeddings"):
                     if k not in rs:
                         bad(f"rope_scaling (yarn) is missing {k}")
-        if self.is_dsa:
-            for k in _DSA_DEFAULTS:
-                v = getattr(self, k)
-                if not is_int(v) or v <= 0:
-                    bad(f"{k} must be a positive integer, got {v!r}")
-            if self.q_lora_rank is None:
-                bad("a deepseek_v32 (sparse attention) model needs q_lora_rank: its indexer reads the query latent")
-            if self.index_head_dim < self.qk_rope_head_dim or self.index_head_dim % 2:
-                bad(f"index_head_dim={self.index_head_dim} must be even and at least qk_rope_head_dim="
-                    f"{self.qk_rope_head_dim} (the indexer ropes its first qk_rope_head_dim dims)")
-        mlp_types = self.raw.get("mlp_layer_types")
-        if mlp_types is not None:
-            want = ["sparse" if self.is_moe_layer(i) else "dense" for i in range(self.num_hidden_layers)]
-            if list(mlp_types) != want:
-                bad(f"mlp_layer_types {list(mlp_types)} disagrees with first_k_dense_replace="
-                    f"{self.first_k_dense_replace} / moe_layer_freq={self.moe_layer_freq} ({want}); only that "
-                    "pattern is supported")
-        if self.tie_word_embeddings:
-            bad("tie_word_embeddings=true is not a DeepSeek-V3 layout (lm_head is separate)")
+
+    def _check_dsa(self, bad: Callable[[str], None]) -> None:
+        """DeepSeek-V3.2's indexer: positive sizes, a query latent to read, rope dims it can hold."""
+        for k in _DSA_DEFAULTS:
+            v = getattr(self, k)
+            if not _is_int(v) or v <= 0:
+                bad(f"{k} must be a positive integer, got {v!r}")
+        if self.q_lora_rank is None:
+            bad("a deepseek_v32 (sparse attention) model needs q_lora_rank: its indexer reads the query latent")
+        if self.index_head_dim < self.qk_rope_head_dim or self.index_head_dim % 2:
+            bad(f"index_head_dim={self.index_head_dim} must be even and at least qk_rope_head_dim="
+                f"{self.qk_rope_head_dim} (the indexer ropes its first qk_rope_head_dim dims)")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:

@@ -75,7 +75,15 @@ def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = No
 
     app = FastAPI(title="mtp", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.mtp = state
+    _add_error_handlers(app, state)
+    _add_info_routes(app, state, model_dir)
+    _add_generation_routes(app, state)
+    add_middlewares(app, options, state.errors)
+    return app
 
+
+def _add_error_handlers(app: FastAPI, state: ServerState) -> None:
+    """Every error answer is an OpenAI error object, counted in /metrics (unknown routes and methods too)."""
     def answer(e: APIError) -> JSONResponse:
         state.errors.add(e.status, e.code)
         return JSONResponse(e.body(), status_code=e.status)
@@ -94,6 +102,9 @@ def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = No
     async def _bad_method(request: Request, e: Exception) -> JSONResponse:
         return answer(APIError(405, f"{request.method} is not allowed on {short_repr(request.url.path)}"))
 
+
+def _add_info_routes(app: FastAPI, state: ServerState, model_dir: str) -> None:
+    """/health, the model list, /server_info, /metrics and the tokenizer's endpoints."""
     @app.get("/health")
     async def health() -> Response:
         if not state.up:
@@ -136,6 +147,9 @@ def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = No
     async def tokenizer_info() -> JSONResponse:
         return JSONResponse(tokenize_api.tokenizer_info(state))
 
+
+def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/completions and /v1/chat/completions: parsed and checked, then one generation each."""
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
@@ -147,9 +161,6 @@ def build_app(engine: Any, model_name: str, reasoning_parser: Optional[str] = No
         arrival = time.perf_counter()
         req = await parse(state, await request.body(), ChatCompletionRequest)
         return await _respond(state, request, req, await chat_specs(state, req), True, arrival)
-
-    add_middlewares(app, options, state.errors)
-    return app
 
 
 async def _respond(state: ServerState, request: Request, req: Any, specs: list[Spec], chat: bool,

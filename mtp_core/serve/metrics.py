@@ -77,19 +77,23 @@ def _esc(v: str) -> str:
     return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str,
-                   errors: Optional[ErrorCounts] = None) -> str:
-    lbl = f'model_name="{_esc(model_name)}"'
-    lines: list[str] = []
+class _Text:
+    """The exposition text being written: one metric (HELP, TYPE, samples) or histogram at a time."""
 
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_}")
-        lines.append(f"# TYPE {name} {kind}")
+    def __init__(self, model_name: str) -> None:
+        self.lbl = f'model_name="{_esc(model_name)}"'
+        self.lines: list[str] = []
+
+    def metric(self, name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lbl = self.lbl
+        self.lines.append(f"# HELP {name} {help_}")
+        self.lines.append(f"# TYPE {name} {kind}")
         for labels, value in samples:
-            lines.append(f"{name}{{{lbl}{labels}}} {value:.10g}" if isinstance(value, float)
-                         else f"{name}{{{lbl}{labels}}} {value}")
+            self.lines.append(f"{name}{{{lbl}{labels}}} {value:.10g}" if isinstance(value, float)
+                              else f"{name}{{{lbl}{labels}}} {value}")
 
-    def histogram(name: str, help_: str, h: Any, cumulative: bool = False) -> None:
+    def histogram(self, name: str, help_: str, h: Any, cumulative: bool = False) -> None:
+        lbl, lines = self.lbl, self.lines
         lines.append(f"# HELP {name} {help_}")
         lines.append(f"# TYPE {name} histogram")
         total = 0
@@ -100,6 +104,19 @@ def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str,
         lines.append(f"{name}_sum{{{lbl}}} {h.sum:.10g}")
         lines.append(f"{name}_count{{{lbl}}} {h.count}")
 
+
+def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str,
+                   errors: Optional[ErrorCounts] = None) -> str:
+    out = _Text(model_name)
+    _engine_state(out, eng)
+    _requests(out, req, eng, errors)
+    _spec_decode(out, eng)
+    return "\n".join(out.lines) + "\n"
+
+
+def _engine_state(out: _Text, eng: EngineStats) -> None:
+    """The running batch, the queue, the KV pool, preemptions and the prefix cache."""
+    metric = out.metric
     metric("mtp_num_requests_running", "gauge", "Requests in the engine's running batch.", [("", eng.num_running)])
     metric("mtp_num_requests_waiting", "gauge", "Requests waiting for admission.", [("", eng.num_waiting)])
     metric("mtp_kv_cache_free_blocks", "gauge", "Free KV cache blocks.", [("", eng.kv_free_blocks)])
@@ -113,6 +130,11 @@ def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str,
         for name, text, value in zip(PREFIX_FIELDS, helps, eng.prefix_cache):
             metric(f"mtp_prefix_cache_{name}", "gauge" if name.endswith("rate") else "counter", text,
                    [("", value if name.endswith("rate") else int(value))])
+
+
+def _requests(out: _Text, req: RequestMetrics, eng: EngineStats, errors: Optional[ErrorCounts]) -> None:
+    """Requests by outcome, errors, tokens, the request latencies and the engine steps."""
+    metric, histogram = out.metric, out.histogram
     reasons = dict(req.requests_by_reason)
     metric("mtp_request_success_total", "counter", "Finished requests by finish reason (abort: client gone or "
            "cut at shutdown).",
@@ -141,7 +163,10 @@ def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str,
         buckets, counts, sum, count = STEP_BUCKETS_S, eng.step_buckets, eng.step_seconds, eng.steps
     histogram("mtp_engine_step_seconds", "Time of one engine step.", _Steps, cumulative=True)
 
-    stats = eng.spec
+
+def _spec_decode(out: _Text, eng: EngineStats) -> None:
+    """Speculative decoding: drafts proposed and accepted (per position), the policy's choices, AL."""
+    metric, stats = out.metric, eng.spec
     proposed = list(stats.proposed_per_position)
     accepted = list(stats.accepted_per_position)
     metric("mtp_spec_decode_num_drafts_total", "counter", "Decoding steps that proposed drafts.",
@@ -160,11 +185,10 @@ def render_metrics(req: RequestMetrics, eng: EngineStats, model_name: str,
     metric("mtp_spec_decode_chosen_drafts_total", "counter", "Drafting steps of a request by the number of drafts "
            "chosen for its next step (the draft-length policy, within the explicit limits).",
            [(f',drafts="{k}"', n) for k, n in enumerate(stats.draft_limit_per_step)])
-    steps, out = stats.num_steps, stats.num_output_tokens
+    steps, tokens = stats.num_steps, stats.num_output_tokens
     metric("mtp_spec_decode_decoding_steps_total", "counter", "Decoding steps over all requests (a request's "
            "first-token step included).", [("", steps)])
     metric("mtp_spec_decode_acceptance_length", "gauge", "AL: output tokens per decoding step.",
-           [("", out / steps if steps else 0.0)])
+           [("", tokens / steps if steps else 0.0)])
     metric("mtp_spec_decode_draft_acceptance_rate", "gauge", "Accepted / proposed draft tokens.",
            [("", stats.num_draft_accepted / stats.num_draft_proposed if stats.num_draft_proposed else 0.0)])
-    return "\n".join(lines) + "\n"

@@ -157,38 +157,53 @@ class OutputProcessor:
                 m.requests_failed += 1
             self._close(rs, TextEvent("error", status=out.error_status, message=out.error))
             return
-        text = rs.text
         delta: dict[str, str] = {}
         lps = plps = None
-        if not (text.stopped or rs.abort_reason == "failed" or rs.discard):
-            try:
-                before = text.num_tokens
-                delta = text.feed(out.token_ids)
-                if out.logprobs is not None:     # the tokens the text took (up to a stop string)
-                    lps = self._named(text.tok, out.logprobs[:text.num_tokens - before])
-                if text.stopped or out.finish_reason is not None:
-                    for k, v in text.finish().items():
-                        delta[k] = delta.get(k, "") + v
-            except Exception as e:  # noqa: BLE001 - this request fails alone
-                log.error("request %s failed: %s: %s", rs.request_id, type(e).__name__, e)
-                log.debug("traceback", exc_info=True)
-                m.requests_failed += 1
-                rs.abort_reason = "failed"
-                if out.finish_reason is None:
-                    self.engine.send(Abort([rs.rid]))
-                first = str(e).splitlines()[0] if str(e) else ""
-                self._close(rs, TextEvent("error", status=500, message=f"generation failed: {type(e).__name__}: "
-                                                                       f"{first}".rstrip(": ")))
-                return
-            if text.stopped and out.finish_reason is None and rs.abort_reason is None:
-                rs.abort_reason = "stop string"
-                self.engine.send(Abort([rs.rid]))
+        if not (rs.text.stopped or rs.abort_reason == "failed" or rs.discard):
+            fed = self._feed(rs, out)
+            if fed is None:
+                return                              # it failed (answered with an error)
+            delta, lps = fed
         if out.prompt_logprobs is not None:
             plps = [None] + self._named(rs.text.tok, out.prompt_logprobs[1:])
         if out.finish_reason is None:
             if delta or lps or plps:
                 self._pending.append((rs, TextEvent("delta", delta, logprobs=lps, prompt_logprobs=plps)))
             return
+        self._finish(rs, out, now, delta, lps, plps)
+
+    def _feed(self, rs: RequestState, out: Output) -> Optional[tuple[dict[str, str], Optional[list]]]:
+        """The output's tokens into the request's text: (the text added, the logprobs of the tokens it took);
+        None when that raised (the request then fails alone, answered here)."""
+        text, lps = rs.text, None
+        try:
+            before = text.num_tokens
+            delta = text.feed(out.token_ids)
+            if out.logprobs is not None:     # the tokens the text took (up to a stop string)
+                lps = self._named(text.tok, out.logprobs[:text.num_tokens - before])
+            if text.stopped or out.finish_reason is not None:
+                for k, v in text.finish().items():
+                    delta[k] = delta.get(k, "") + v
+        except Exception as e:  # noqa: BLE001 - this request fails alone
+            log.error("request %s failed: %s: %s", rs.request_id, type(e).__name__, e)
+            log.debug("traceback", exc_info=True)
+            self.metrics.requests_failed += 1
+            rs.abort_reason = "failed"
+            if out.finish_reason is None:
+                self.engine.send(Abort([rs.rid]))
+            first = str(e).splitlines()[0] if str(e) else ""
+            self._close(rs, TextEvent("error", status=500, message=f"generation failed: {type(e).__name__}: "
+                                                                   f"{first}".rstrip(": ")))
+            return None
+        if text.stopped and out.finish_reason is None and rs.abort_reason is None:
+            rs.abort_reason = "stop string"
+            self.engine.send(Abort([rs.rid]))
+        return delta, lps
+
+    def _finish(self, rs: RequestState, out: Output, now: float, delta: dict[str, str], lps: Optional[list],
+                plps: Optional[list]) -> None:
+        """The request's last event, with its finish reason counted and its latency observed."""
+        text, m = rs.text, self.metrics
         if text.stopped:
             reason = "stop"
         elif out.finish_reason == "abort":

@@ -150,7 +150,6 @@ def acceptance(model_dir: Path, o: FinetuneOptions, prompts: list[list[int]], se
 
 def run(o: FinetuneOptions, echo: Callable[[str], None] = print) -> dict:
     from mtp_core.loader.checkpoint import open_checkpoint
-    from mtp_core.tokenizer import Tokenizer
 
     if o.num_threads:
         torch.set_num_threads(o.num_threads)
@@ -158,6 +157,52 @@ def run(o: FinetuneOptions, echo: Callable[[str], None] = print) -> dict:
     ckpt = open_checkpoint(o.model_dir)
     cfg = ckpt.config
     check_inputs(o, cfg.num_nextn_predict_layers)
+    train_ids, eval_ids = _prompt_ids(o, ckpt)
+    n_tokens = sum(len(p) for p in train_ids) + len(train_ids) * o.gen_tokens
+    src_bytes = sum(f.stat().st_size for f in ckpt.shard_tensors)
+    check_disk(o, n_tokens, cfg.hidden_size, src_bytes if not o.link else src_bytes // 4)
+    num_modules = o.add_mtp or cfg.num_nextn_predict_layers
+    if o.mtp_mode == "vanilla" and num_modules < 2:
+        echo("note: with one MTP module Vanilla and Eagle K=1 are the same drafting")
+    meta = _claim_work_dir(o, ckpt, train_ids)
+    echo(f"train-mtp: {len(train_ids)} training prompts, {len(eval_ids)} held-out, "
+         f"{num_modules} MTP module(s){' (new)' if o.add_mtp else ''}, mode {o.mtp_mode}")
+
+    gen = Generator(o, ckpt.model_dir)
+    settings = eval_settings(o, num_modules)
+    t_data = time.perf_counter()
+    paths = build_cache(o, gen, train_ids, meta, echo)
+    data_s = time.perf_counter() - t_data
+    before = _acceptance_before(o, ckpt, eval_ids, settings)
+    gen._llm = None
+    for label, r in before.items():
+        echo(f"before: {label} AL {r['acceptance_length']:.3f} per position "
+             f"{[round(a, 3) for a in r['acceptance_per_position']]}")
+
+    cache = Cache.load(paths)
+    model, ckpt2, config_raw = build_training_model(o)
+    t_train = time.perf_counter()
+    history = train_modules(o, model, cache, echo)
+    train_s = time.perf_counter() - t_train
+    del cache
+
+    trained = trained_module_ids(o, num_modules)
+    counts = {"num_train_prompts": len(train_ids), "num_heldout_prompts": len(eval_ids),
+              "num_train_tokens_est": n_tokens, "added_modules": o.add_mtp, "trained_modules": [k + 1 for k in trained]}
+    times = {"data_seconds_this_run": round(data_s, 1), "train_seconds_this_run": round(train_s, 1),
+             "steps": o.max_steps, "final_loss": history[-1]["loss"] if history else None}
+    report = _write_checkpoint(o, ckpt, model, config_raw, trained, (eval_ids, settings, before), counts, times, echo)
+    if not o.keep_work:
+        _clean_work_dir(o)
+    echo(f"wrote {Path(o.out)} ({time.perf_counter() - t_start:.0f} s; training {train_s:.0f} s)")
+    return report
+
+
+def _prompt_ids(o: FinetuneOptions, ckpt) -> tuple[list[list[int]], list[list[int]]]:
+    """The training and held-out prompts as token ids (each cut to leave room for its continuation)."""
+    from mtp_core.tokenizer import Tokenizer
+
+    cfg = ckpt.config
     items = read_prompts(o.prompts)
     eval_items = read_prompts(o.eval_prompts) if o.eval_prompts is not None else None
     tok = Tokenizer.from_dir(ckpt.model_dir)
@@ -167,16 +212,13 @@ def run(o: FinetuneOptions, echo: Callable[[str], None] = print) -> dict:
                          f"{cfg.max_position_embeddings}; lower them")
     ids = encode_prompts(tok, items, o.chat_template, max_prompt)
     if eval_items is not None:
-        train_ids, eval_ids = ids, encode_prompts(tok, eval_items, o.chat_template, max_prompt)[:o.max_eval_prompts]
-    else:
-        tr, ev = split_prompts(len(ids), o)
-        train_ids, eval_ids = [ids[i] for i in tr], [ids[i] for i in ev]
-    n_tokens = sum(len(p) for p in train_ids) + len(train_ids) * o.gen_tokens
-    src_bytes = sum(f.stat().st_size for f in ckpt.shard_tensors)
-    check_disk(o, n_tokens, cfg.hidden_size, src_bytes if not o.link else src_bytes // 4)
-    num_modules = o.add_mtp or cfg.num_nextn_predict_layers
-    if o.mtp_mode == "vanilla" and num_modules < 2:
-        echo("note: with one MTP module Vanilla and Eagle K=1 are the same drafting")
+        return ids, encode_prompts(tok, eval_items, o.chat_template, max_prompt)[:o.max_eval_prompts]
+    tr, ev = split_prompts(len(ids), o)
+    return [ids[i] for i in tr], [ids[i] for i in ev]
+
+
+def _claim_work_dir(o: FinetuneOptions, ckpt, train_ids: list[list[int]]) -> dict:
+    """The work directory, refused when it holds a training run with other settings; returns the cache's meta."""
     o.work.mkdir(parents=True, exist_ok=True)
     fp = source_fingerprint(ckpt)
     meta = {"source": fp, "gen_batch": o.gen_batch, "gen_tokens": o.gen_tokens, "temperature": o.temperature,
@@ -191,35 +233,28 @@ def run(o: FinetuneOptions, echo: Callable[[str], None] = print) -> dict:
             raise ValueError(f"{o.work} holds a training run with other settings; delete it, pass another "
                              "--work_dir, or rerun with the same flags to resume")
     atomic_json({**train_meta, "max_steps": o.max_steps}, tm_path)
-    echo(f"train-mtp: {len(train_ids)} training prompts, {len(eval_ids)} held-out, "
-         f"{num_modules} MTP module(s){' (new)' if o.add_mtp else ''}, mode {o.mtp_mode}")
+    return meta
 
-    gen = Generator(o, ckpt.model_dir)
-    settings = eval_settings(o, num_modules)
-    t_data = time.perf_counter()
-    paths = build_cache(o, gen, train_ids, meta, echo)
-    data_s = time.perf_counter() - t_data
+
+def _acceptance_before(o: FinetuneOptions, ckpt, eval_ids: list[list[int]], settings: list[tuple[str, int]]
+                       ) -> dict[str, dict]:
+    """The source's AL on the held-out prompts (kept in the work directory for a rerun; 1.0 without modules)."""
     before_path = o.work / "eval_before.json"
     if before_path.is_file():
-        before = json.loads(before_path.read_text())
-    elif cfg.num_nextn_predict_layers:
+        return json.loads(before_path.read_text())
+    if ckpt.config.num_nextn_predict_layers:
         before = acceptance(ckpt.model_dir, o, eval_ids, settings)
         atomic_json(before, before_path)
-    else:
-        before = {f"{m} K={k}": {"acceptance_length": 1.0, "acceptance_per_position": [],
-                                  "draft_acceptance_rate": None, "note": "no MTP modules"} for m, k in settings}
-    gen._llm = None
-    for label, r in before.items():
-        echo(f"before: {label} AL {r['acceptance_length']:.3f} per position "
-             f"{[round(a, 3) for a in r['acceptance_per_position']]}")
+        return before
+    return {f"{m} K={k}": {"acceptance_length": 1.0, "acceptance_per_position": [],
+                           "draft_acceptance_rate": None, "note": "no MTP modules"} for m, k in settings}
 
-    cache = Cache.load(paths)
-    model, ckpt2, config_raw = build_training_model(o)
-    t_train = time.perf_counter()
-    history = train_modules(o, model, cache, echo)
-    train_s = time.perf_counter() - t_train
-    del cache
 
+def _write_checkpoint(o: FinetuneOptions, ckpt, model: DeepseekV3ForCausalLM, config_raw: dict, trained: list[int],
+                      evaluation: tuple, counts: dict, times: dict, echo: Callable[[str], None]) -> dict:
+    """The checkpoint and its report, built in a temporary sibling of --out, measured (AL after), then renamed
+    into place (replacing an old --out only now); evaluation: (held-out ids, settings, AL before)."""
+    eval_ids, settings, before = evaluation
     out = Path(o.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
@@ -227,7 +262,7 @@ def run(o: FinetuneOptions, echo: Callable[[str], None] = print) -> dict:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)
     try:
-        summary = write_output(o, ckpt, model, config_raw, tmp, trained_module_ids(o, num_modules))
+        summary = write_output(o, ckpt, model, config_raw, tmp, trained)
         after = acceptance(tmp, o, eval_ids, settings)
         for label, r in after.items():
             b = before.get(label, {}).get("acceptance_length")
@@ -235,12 +270,7 @@ def run(o: FinetuneOptions, echo: Callable[[str], None] = print) -> dict:
                  f"{[round(a, 3) for a in r['acceptance_per_position']]}")
         report = {"source": str(o.model_dir), "options": {k: (str(v) if isinstance(v, Path) else v)
                                                            for k, v in asdict(o).items()},
-                  "num_train_prompts": len(train_ids), "num_heldout_prompts": len(eval_ids),
-                  "num_train_tokens_est": n_tokens,
-                  "added_modules": o.add_mtp, "trained_modules": [k + 1 for k in trained_module_ids(o, num_modules)],
-                  "before": before, "after": after, "data_seconds_this_run": round(data_s, 1),
-                  "train_seconds_this_run": round(train_s, 1), "steps": o.max_steps,
-                  "final_loss": history[-1]["loss"] if history else None, **summary}
+                  **counts, "before": before, "after": after, **times, **summary}
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
@@ -252,14 +282,16 @@ def run(o: FinetuneOptions, echo: Callable[[str], None] = print) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not o.keep_work:   # only what this command put there (--work_dir may be a directory of the user's)
-        for name in ("cache", "state", "state.tmp"):
-            shutil.rmtree(o.work / name, ignore_errors=True)
-        for name in ("eval_before.json", "train_meta.json"):
-            (o.work / name).unlink(missing_ok=True)
-        try:
-            o.work.rmdir()
-        except OSError:
-            pass
-    echo(f"wrote {out} ({time.perf_counter() - t_start:.0f} s; training {train_s:.0f} s)")
     return report
+
+
+def _clean_work_dir(o: FinetuneOptions) -> None:
+    """Only what this command put there (--work_dir may be a directory of the user's)."""
+    for name in ("cache", "state", "state.tmp"):
+        shutil.rmtree(o.work / name, ignore_errors=True)
+    for name in ("eval_before.json", "train_meta.json"):
+        (o.work / name).unlink(missing_ok=True)
+    try:
+        o.work.rmdir()
+    except OSError:
+        pass

@@ -57,9 +57,38 @@ def write_output(o: FinetuneOptions, ckpt, model: DeepseekV3ForCausalLM, config_
                  trained: list[int]) -> dict:
     """Writes the checkpoint into `dest` (an empty temporary directory). Returns a summary."""
     src = ckpt.model_dir
+    weight_map, linked, rewritten = _write_main_shards(o, ckpt, dest)
+    mtp_tensors = _mtp_tensors(ckpt, model, config_raw, trained)
+    save_file(mtp_tensors, str(dest / MTP_SHARD), metadata={"format": "pt"})
+    for n in mtp_tensors:
+        weight_map[n] = MTP_SHARD
+    total = 0
+    for rel in set(weight_map.values()):
+        total += (dest / rel).stat().st_size
+    (dest / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    (dest / "config.json").write_text(json.dumps(config_raw, indent=2) + "\n")
+    _copy_other_files(src, dest)
+    # NVFP4 (ModelOpt): the bf16 MTP linears are excluded from quantization
+    hf_q = src / "hf_quant_config.json"
+    if hf_q.is_file():
+        q = json.loads(hf_q.read_text())
+        sec = q.get("quantization", q)
+        written_linears = sorted({n[: -len(".weight")] for n in mtp_tensors
+                                  if n.endswith(".weight") and mtp_tensors[n].dim() == 2
+                                  and mtp_tensors[n].dtype not in _PACKED and "embed_tokens" not in n
+                                  and not n.endswith("mlp.gate.weight")})
+        sec["exclude_modules"] = sorted(set(sec.get("exclude_modules") or []) | set(written_linears))
+        (dest / "hf_quant_config.json").write_text(json.dumps(q, indent=4) + "\n")
+    return {"linked_or_copied_shards": linked, "rewritten_shards": rewritten, "mtp_shard": MTP_SHARD,
+            "num_mtp_tensors": len(mtp_tensors)}
+
+
+def _write_main_shards(o: FinetuneOptions, ckpt, dest: Path) -> tuple[dict[str, str], list[str], list[str]]:
+    """Every main tensor byte for byte: a shard holding only main tensors linked (or copied), one that also held
+    MTP tensors rewritten without them. Returns (tensor -> shard, linked shards, rewritten shards)."""
+    src = ckpt.model_dir
     L = ckpt.config.num_hidden_layers
-    n_mod = model.num_mtp_modules
-    src_dtypes = {n: hdr[n]["dtype"] for f, hdr in ckpt.shard_tensors.items() for n in hdr if ckpt.shards.get(n) == f}
     index_path = src / "model.safetensors.index.json"
     weight_map: dict[str, str] = {}
     linked, rewritten = [], []
@@ -86,7 +115,14 @@ def write_output(o: FinetuneOptions, ckpt, model: DeepseekV3ForCausalLM, config_
             rewritten.append(str(rel))
         for n in main:
             weight_map[n] = str(rel)
-    # the MTP shard
+    return weight_map, linked, rewritten
+
+
+def _mtp_tensors(ckpt, model: DeepseekV3ForCausalLM, config_raw: dict, trained: list[int]) -> dict[str, torch.Tensor]:
+    """The MTP shard's tensors: trained modules from the model (in _out_dtype), the others' source tensors as they
+    were, and each module's copies of the embedding and the head."""
+    L = ckpt.config.num_hidden_layers
+    src_dtypes = {n: hdr[n]["dtype"] for f, hdr in ckpt.shard_tensors.items() for n in hdr if ckpt.shards.get(n) == f}
     mtp_tensors: dict[str, torch.Tensor] = {}
     cfg_dtype = str(config_raw.get("torch_dtype") or "bfloat16")
     raw_src: dict[str, torch.Tensor] = {}
@@ -97,7 +133,7 @@ def write_output(o: FinetuneOptions, ckpt, model: DeepseekV3ForCausalLM, config_
             with safe_open(str(ckpt.shards[n]), framework="pt") as h:
                 raw_src[n] = h.get_tensor(n)
     state = model.state_dict()
-    for k in range(n_mod):
+    for k in range(model.num_mtp_modules):
         prefix = f"model.layers.{L + k}."
         if k in trained:
             for n, t in state.items():
@@ -111,17 +147,12 @@ def write_output(o: FinetuneOptions, ckpt, model: DeepseekV3ForCausalLM, config_
                                      ("shared_head.head.weight", "lm_head.weight")):
             if prefix + copy_name not in mtp_tensors and main_name in raw_src:
                 mtp_tensors[prefix + copy_name] = raw_src[main_name].clone()
-    save_file(mtp_tensors, str(dest / MTP_SHARD), metadata={"format": "pt"})
-    for n in mtp_tensors:
-        weight_map[n] = MTP_SHARD
-    total = 0
-    for rel in set(weight_map.values()):
-        total += (dest / rel).stat().st_size
-    (dest / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-    (dest / "config.json").write_text(json.dumps(config_raw, indent=2) + "\n")
-    # NVFP4 (ModelOpt): the bf16 MTP linears are excluded from quantization
-    hf_q = src / "hf_quant_config.json"
+    return mtp_tensors
+
+
+def _copy_other_files(src: Path, dest: Path) -> None:
+    """The tokenizer and the other small files (not the weights, config or index), then the shards made readable
+    like the copies."""
     for p in sorted(src.iterdir()):
         if p.name in ("config.json", "model.safetensors.index.json") or p.suffix == ".safetensors" or p.is_symlink():
             continue
@@ -134,17 +165,6 @@ def write_output(o: FinetuneOptions, ckpt, model: DeepseekV3ForCausalLM, config_
     for p in dest.rglob("*.safetensors"):   # safetensors writes 0600; make them readable like the copies
         if p.stat().st_nlink == 1:
             os.chmod(p, 0o666 & ~umask)
-    if hf_q.is_file():
-        q = json.loads(hf_q.read_text())
-        sec = q.get("quantization", q)
-        written_linears = sorted({n[: -len(".weight")] for n in mtp_tensors
-                                  if n.endswith(".weight") and mtp_tensors[n].dim() == 2
-                                  and mtp_tensors[n].dtype not in _PACKED and "embed_tokens" not in n
-                                  and not n.endswith("mlp.gate.weight")})
-        sec["exclude_modules"] = sorted(set(sec.get("exclude_modules") or []) | set(written_linears))
-        (dest / "hf_quant_config.json").write_text(json.dumps(q, indent=4) + "\n")
-    return {"linked_or_copied_shards": linked, "rewritten_shards": rewritten, "mtp_shard": MTP_SHARD,
-            "num_mtp_tensors": len(mtp_tensors)}
 
 
 # ---- evaluation -----------------------------------------------------------------------------------------
