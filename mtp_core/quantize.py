@@ -107,15 +107,7 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, fmt: str,
     `input_amax` (NVFP4): calibrated max |activation| per module name; others get input_scale 1.0.
     Written to a temporary sibling directory and renamed at the end: nothing half-written remains."""
     src, out = Path(src_dir), Path(out_dir)
-    if fmt not in FORMATS:
-        raise ValueError(f"format {fmt!r} is not supported; use one of: fp8, nvfp4")
-    fmt = FORMATS[fmt]
-    config = _read_json(src / "config.json")
-    if "quantization_config" in config or (src / "hf_quant_config.json").exists():
-        raise ValueError(f"{src} is already quantized; quantize a bf16/fp32 checkpoint")
-    num_layers = config.get("num_hidden_layers")
-    if not isinstance(num_layers, int) or num_layers <= 0:
-        raise ValueError(f"{src / 'config.json'}: num_hidden_layers must be a positive integer")
+    fmt, config, num_layers = _check_source(src, fmt)
     shards, indexed = _source_shards(src)
     _check_out_dir(out)
     patterns = ALWAYS_EXCLUDED + (NVFP4_EXCLUDED if fmt == "nvfp4" else ()) + tuple(exclude or ())
@@ -128,29 +120,8 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, fmt: str,
     try:
         weight_map: dict[str, str] = {}
         for shard in shards:
-            written: dict[str, torch.Tensor] = {}
-            try:
-                handle = safe_open(str(src / shard), framework="pt")
-            except Exception as e:  # missing or corrupt shard
-                raise ValueError(f"{src / shard}: cannot read safetensors ({e})") from None
-            with handle as f:
-                for name in f.keys():
-                    t = f.get_tensor(name)
-                    summary["num_tensors_in"] += 1
-                    summary["bytes_before"] += _nbytes(t)
-                    kind = _classify(name, t, fmt, patterns, num_layers, quantize_mtp)
-                    if kind == "quantize":
-                        written.update(_quantize_tensor(name, t, fmt, fp8_format.block_size,
-                                                        input_amax or {}))
-                        summary["num_quantized"] += 1
-                        module = name.removesuffix(".weight")
-                        if fmt == "nvfp4" and module not in (input_amax or {}):
-                            summary["num_uncalibrated_input_scales"] += 1
-                        continue
-                    if kind == "keep":
-                        summary["num_kept"] += 1
-                        summary["kept_modules"].append(name.removesuffix(".weight"))
-                    written[name] = t
+            written = _quantize_shard(src / shard, fmt, patterns, num_layers, quantize_mtp, fp8_format.block_size,
+                                      input_amax or {}, summary)
             save_file(written, str(tmp / shard), metadata={"format": "pt"})
             for name, t in written.items():
                 weight_map[name] = shard
@@ -164,6 +135,48 @@ def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, fmt: str,
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return summary
+
+
+def _check_source(src: Path, fmt: str) -> tuple[str, dict, int]:
+    """(format name, config, num_hidden_layers) of a checkpoint that can be quantized to `fmt`, else ValueError."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is not supported; use one of: fp8, nvfp4")
+    fmt = FORMATS[fmt]
+    config = _read_json(src / "config.json")
+    if "quantization_config" in config or (src / "hf_quant_config.json").exists():
+        raise ValueError(f"{src} is already quantized; quantize a bf16/fp32 checkpoint")
+    num_layers = config.get("num_hidden_layers")
+    if not isinstance(num_layers, int) or num_layers <= 0:
+        raise ValueError(f"{src / 'config.json'}: num_hidden_layers must be a positive integer")
+    return fmt, config, num_layers
+
+
+def _quantize_shard(path: Path, fmt: str, patterns: tuple[str, ...], num_layers: int, quantize_mtp: bool,
+                    block_size: int, input_amax: Mapping[str, float], summary: dict) -> dict[str, torch.Tensor]:
+    """The tensors one output shard holds: each source tensor quantized, kept or passed through (counted in
+    `summary`)."""
+    written: dict[str, torch.Tensor] = {}
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as e:  # missing or corrupt shard
+        raise ValueError(f"{path}: cannot read safetensors ({e})") from None
+    with handle as f:
+        for name in f.keys():
+            t = f.get_tensor(name)
+            summary["num_tensors_in"] += 1
+            summary["bytes_before"] += _nbytes(t)
+            kind = _classify(name, t, fmt, patterns, num_layers, quantize_mtp)
+            if kind == "quantize":
+                written.update(_quantize_tensor(name, t, fmt, block_size, input_amax))
+                summary["num_quantized"] += 1
+                if fmt == "nvfp4" and name.removesuffix(".weight") not in input_amax:
+                    summary["num_uncalibrated_input_scales"] += 1
+                continue
+            if kind == "keep":
+                summary["num_kept"] += 1
+                summary["kept_modules"].append(name.removesuffix(".weight"))
+            written[name] = t
+    return written
 
 
 def _write_metadata(src: Path, tmp: Path, config: dict, fmt: str, fp8_format: Fp8BlockFormat,

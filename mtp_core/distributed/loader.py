@@ -53,6 +53,28 @@ def load_model_sharded(model_dir: str | Path, dtype: str, device: str, par: Para
     shards = collect_shards(model)
     dense_only = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, ParallelLMHead)}
     local = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    state, packed_modules = _read_local(ckpt, quant, local, full, parts, shards, linears, dense_only, torch_dtype,
+                                        device, keep_quantized, progress)
+    for mod_name, mod in packed_modules.items():
+        parent, _, attr = mod_name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, mod)
+    model.load_state_dict(state, strict=False, assign=True)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not left, f"tensors left unloaded: {left[:3]}"
+    model.rope.inv_freq = model.rope.inv_freq.to(device)
+    model.requires_grad_(False)
+    model.eval()
+    log.info("rank %d/%d loaded %d tensors (%d kept packed) from %s as %s", par.rank, par.world_size, len(local),
+             len(packed_modules), ckpt.model_dir, str(torch_dtype).replace("torch.", ""))
+    return model, ckpt
+
+
+def _read_local(ckpt: Checkpoint, quant: Optional[QuantFormat], local: dict, full: dict, parts: dict, shards: dict,
+                linears: set, dense_only: set, torch_dtype: torch.dtype, device: str, keep_quantized: bool,
+                progress: Optional[Callable[[int, int], None]]) -> tuple[dict[str, torch.Tensor],
+                                                                         dict[str, torch.nn.Module]]:
+    """This rank's tensors (`local`: name -> its shard's shape), read slice by slice: (state dict, modules kept
+    packed by module name)."""
     state: dict[str, torch.Tensor] = {}
     packed_modules: dict[str, torch.nn.Module] = {}
     with contextlib.ExitStack() as stack:
@@ -86,18 +108,7 @@ def load_model_sharded(model_dir: str | Path, dtype: str, device: str, par: Para
                 state[name] = t.to(device=device, dtype=target, copy=True)   # aligned, as load_model
             if progress:
                 progress(i + 1, len(local))
-    for mod_name, mod in packed_modules.items():
-        parent, _, attr = mod_name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, mod)
-    model.load_state_dict(state, strict=False, assign=True)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    assert not left, f"tensors left unloaded: {left[:3]}"
-    model.rope.inv_freq = model.rope.inv_freq.to(device)
-    model.requires_grad_(False)
-    model.eval()
-    log.info("rank %d/%d loaded %d tensors (%d kept packed) from %s as %s", par.rank, par.world_size, len(local),
-             len(packed_modules), ckpt.model_dir, str(torch_dtype).replace("torch.", ""))
-    return model, ckpt
+    return state, packed_modules
 
 
 def _load_quantized(open_for: Opener, quant: QuantFormat, name: str, names: list[str], full_shape: tuple[int, int],
