@@ -11,11 +11,11 @@ import torch
 
 from mtp_core.config import LLMConfig
 from mtp_core.engine.engine import Engine
-from mtp_core.structured import GrammarBackend
-from mtp_core.engine.sequence import Sequence
 from mtp_core.loader import load_model
+from mtp_core.request.sequence import Sequence
+from mtp_core.request.stats import SpecStats
 from mtp_core.sampling import SamplingParams
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.structured import GrammarBackend
 from mtp_core.tokenizer import Tokenizer
 
 log = logging.getLogger("mtp.llm")

@@ -22,7 +22,7 @@ from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
 from mtp_core.config.schedule import parse_schedule
 from mtp_core.speculative.adaptive import DraftPolicy
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.request.stats import SpecStats
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mtp_core.sampling import SamplingParams
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.request.stats import SpecStats
 from mtp_core.engine.static_step import verify_static
 from mtp_core.speculative.verifier import (
     relaxed_counted, verify, verify_relaxed_row, verify_sampled_row, verify_strict,

@@ -28,19 +28,19 @@ from mtp_core.config import LLMConfig
 from mtp_core.engine.model_runner import ModelRunner, TargetOutput, verify_rows
 from mtp_core.engine.overlap import OverlapScheduler
 from mtp_core.engine.scheduler import ScheduledRow, Scheduler
-from mtp_core.engine.sequence import Sequence
 from mtp_core.engine.static_step import make_static_steps, run_fused
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, copy_block, plan_num_blocks
 from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+from mtp_core.model.forward_path import serving_forward
+from mtp_core.request.sequence import Sequence
+from mtp_core.request.stats import SpecStats
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
-from mtp_core.speculative.drafter import DraftInput, Drafter, make_drafter
 from mtp_core.speculative.adaptive import DraftPolicy
-from mtp_core.model.forward_path import serving_forward
+from mtp_core.speculative.drafter import DraftInput, Drafter, make_drafter
 from mtp_core.speculative.policy import DraftLenPolicy
-from mtp_core.speculative.stats import SpecStats
 from mtp_core.speculative.verifier import VerifyResult
 from mtp_core.structured import GrammarBackend
 

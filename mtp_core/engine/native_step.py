@@ -35,9 +35,9 @@ import torch
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.model.native_decode import NativeDecoder
+from mtp_core.request.mtp_state import MTPState
 from mtp_core.sampling import PenaltyRules
 from mtp_core.speculative import backlog
-from mtp_core.speculative.mtp_state import MTPState
 from mtp_core.speculative.verifier import VerifyResult
 from mtp_core.structured import guided_masks
 

@@ -20,11 +20,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from mtp_core.engine.sequence import Sequence, Status
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.prefix_cache import PrefixHit, ReusePolicy, extend_digests
+from mtp_core.request.sequence import Sequence, Status
+from mtp_core.request.stats import SpecStats
 from mtp_core.speculative.policy import DraftLenPolicy
-from mtp_core.speculative.stats import SpecStats
 
 log = logging.getLogger("mtp.scheduler")
 

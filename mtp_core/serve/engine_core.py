@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-from mtp_core.engine.sequence import Sequence, Status
+from mtp_core.request.sequence import Sequence, Status
 from mtp_core.serve.messages import (Abort, Add, Command, EngineStats, Output, Outputs, PREFIX_FIELDS, Ready,
                                      Shutdown)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mtp_core.speculative.mtp_state import MTPState
+from mtp_core.request.mtp_state import MTPState
 
 ACCEPT_WEIGHT = 0.1        # weight of a request's newest observation in its acceptance estimate
 GLOBAL_WEIGHT = 0.05       # the same for the engine-wide estimate new requests start from

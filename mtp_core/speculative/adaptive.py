@@ -30,8 +30,8 @@ import bisect
 from typing import Any, Optional
 
 from mtp_core.config.schedule import parse_schedule
-from mtp_core.speculative.mtp_state import MTPState
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.request.mtp_state import MTPState
+from mtp_core.request.stats import SpecStats
 
 
 class DraftPolicy:

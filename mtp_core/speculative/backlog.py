@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from mtp_core.request.mtp_state import MTPState
 from mtp_core.speculative.drafter import DraftInput, Drafter
-from mtp_core.speculative.mtp_state import MTPState
 
 MAX_MTP_LAG = 2048          # positions of main hidden states a row that skips drafting may keep
 

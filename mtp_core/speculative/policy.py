@@ -51,11 +51,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
 from mtp_core.config import DRAFT_LEN_POLICIES
+from mtp_core.request.mtp_state import MTPState
+from mtp_core.request.stats import SpecStats
 from mtp_core.speculative.acceptance import EngineAcceptance, request_expected
 from mtp_core.speculative.adaptive import DraftPolicy
 from mtp_core.speculative.costs import SETTLE, Measure, StepCosts, StepTimer, bucket
-from mtp_core.speculative.mtp_state import MTPState
-from mtp_core.speculative.stats import SpecStats
 
 if TYPE_CHECKING:
     from mtp_core.speculative.drafter import DraftInput
