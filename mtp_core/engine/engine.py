@@ -41,8 +41,8 @@ from mtp_core.speculative import backlog
 from mtp_core.speculative.adaptive import DraftPolicy
 from mtp_core.speculative.drafter import DraftInput, Drafter, make_drafter
 from mtp_core.speculative.policy import DraftLenPolicy
-from mtp_core.speculative.verifier import VerifyResult
-from mtp_core.structured import GrammarBackend
+from mtp_core.speculative.verifier import Acceptance, VerifyResult
+from mtp_core.structured import GrammarBackend, Guided
 
 log = logging.getLogger("mtp.engine")
 
@@ -66,9 +66,9 @@ class Engine:
         spec = cfg.speculative_config
         self.K = spec.max_draft_len if spec else 0
         self.max_seq_len = cfg.max_seq_len or model.config.max_position_embeddings
-        self.relaxed = (spec.relaxed_topk, spec.relaxed_delta) if spec and spec.use_relaxed_acceptance_for_thinking \
-            else None
-        if self.relaxed and think_ids is None:
+        # which rule verifies each row (speculative/verifier.py): strict, relaxed where it is on, sampled, guided
+        self.acceptance = Acceptance.of(spec, Guided.pair(think_ids))
+        if spec and spec.use_relaxed_acceptance_for_thinking and think_ids is None:
             raise ValueError("relaxed acceptance for thinking needs <think> and </think> tokens, but the tokenizer "
                              "has neither; drop --use_relaxed_acceptance_for_thinking")
         self.forward_path = serving_forward(model)     # native or torch, for every eager forward of this engine
@@ -100,7 +100,7 @@ class Engine:
                    and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
         self._overlap = OverlapScheduler(self.scheduler, self.runner) if overlap else None
         self.graphs, self.native_step = make_static_steps(
-            model, self.forward_path, cfg, self.caches, self.blocks, self.K, mode, self.relaxed, self.max_seq_len,
+            model, self.forward_path, cfg, self.caches, self.blocks, self.K, mode, self.acceptance, self.max_seq_len,
             fixed_counts=self.policy.policy == "fixed", overlap=overlap, injected_drafter=drafter is not None)
         # a static step's padded rows hold one block of the pool for good
         self.pool_tokens = (num_blocks - (self.graphs is not None)) * kv.tokens_per_block
@@ -249,7 +249,7 @@ class Engine:
         return out, self._verify(rows, out)
 
     def _verify(self, rows: list[ScheduledRow], out: TargetOutput) -> VerifyResult:
-        return verify_rows(rows, out, self.eos_token_ids, self.relaxed, self.think_ids, self.grammars)
+        return verify_rows(rows, out, self.eos_token_ids, self.acceptance)
 
     def _commit(self, step: StepOutput) -> list[DraftInput]:
         """Appends the emitted tokens and records each request's statistics; the draft inputs carry the target

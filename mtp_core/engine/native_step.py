@@ -38,7 +38,7 @@ from mtp_core.model.native_decode import NativeDecoder
 from mtp_core.request.mtp_state import MTPState
 from mtp_core.sampling import PenaltyRules
 from mtp_core.speculative import backlog
-from mtp_core.speculative.verifier import VerifyResult
+from mtp_core.speculative.verifier import Acceptance, VerifyResult
 from mtp_core.structured import guided_masks
 
 
@@ -53,14 +53,14 @@ def _i32(values: list[int]) -> torch.Tensor:
 
 class NativeStep:
     def __init__(self, model: DeepseekV3ForCausalLM, native: NativeDecoder, caches: list[torch.Tensor], K: int,
-                 relaxed: Optional[tuple[int, float]], fixed_counts: bool, vanilla: bool = False,
+                 acceptance: Acceptance, fixed_counts: bool, vanilla: bool = False,
                  confidence: float = 0.0) -> None:
         self.caches, self.K = caches, K
         self.native = native
         self.hidden_size = model.config.hidden_size
         self.mtp_layer = model.num_main_layers if K else -1  # the first MTP module; -1: no drafting (nextn = 0)
         self.vanilla = vanilla and K > 1                     # modules 0..K-1, each over the row's window
-        self.relaxed_on = relaxed is not None and relaxed[0] > 1 and relaxed[1] > 0
+        self.acceptance = acceptance                         # which rows the call verifies (strict, guided)
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
         self.confidence = confidence                         # the confidence gate's threshold (0: off)
         self.num_replays = 0                                 # steps run whole by run()
@@ -82,11 +82,11 @@ class NativeStep:
         return self
 
     def can_verify(self, rows: list[ScheduledRow]) -> bool:
-        """The target forward and strict verification of this batch fit one call (target()): greedy decode rows
-        (with their logits processing, grammars and logprobs), none relaxed; whatever their MTP state (the drafter
-        runs afterwards, as usual)."""
-        return bool(rows) and all(not r.is_prefill and r.seq.params.greedy and len(r.token_ids) <= self.K + 1
-                                  and not (self.relaxed_on and r.seq.in_thinking) for r in rows)
+        """The target forward and verification of this batch fit one call (target()): decode rows whose acceptance
+        rule the call verifies (strict and greedy guided rows, with their logits processing and logprobs; not
+        sampled or relaxed ones); whatever their MTP state (the drafter runs afterwards, as usual)."""
+        return bool(rows) and all(not r.is_prefill and len(r.token_ids) <= self.K + 1 for r in rows) \
+            and self.acceptance.fused("native", [r.seq for r in rows])
 
     def target(self, rows: list[ScheduledRow]) -> tuple[VerifyResult, list[torch.Tensor]]:
         """The general step's runner.execute + verify in one call, for can_verify(rows): (emitted tokens per row and

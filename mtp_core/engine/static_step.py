@@ -53,7 +53,7 @@ from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.forward_path import ForwardPath
 from mtp_core.model.native_decode import NativeDecoder
-from mtp_core.speculative.verifier import VerifyResult, relaxed_counted
+from mtp_core.speculative.verifier import Acceptance, Relaxed, VerifyResult, verify_static
 
 log = logging.getLogger("mtp.graphs")
 
@@ -79,32 +79,13 @@ def static_step_unsupported(model: DeepseekV3ForCausalLM, mode: Optional[str], K
     return None
 
 
-def verify_static(logits: torch.Tensor, drafts: torch.Tensor, thinking: torch.Tensor,
-                  relaxed: Optional[tuple[int, float]], offsets: Optional[torch.Tensor] = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The static step's verification, with no host sync; the same contract as verifier.py (strict, and
-    relaxed for thinking rows through the same `relaxed_counted`). logits [B, K+1, V], drafts [B, K],
-    thinking [B] bool -> (m accepted drafts [B], emitted [B, K+1]: d_1..d_m, the target's token at m,
-    then the target's choices past m, which are never emitted, only fed to forward 1's throwaway entries)."""
-    target = logits.argmax(-1)                                                  # [B, K+1]
-    match = drafts == target[:, :-1]                                            # [B, K]
-    if relaxed is not None:
-        counted = relaxed_counted(logits[:, :-1], *relaxed)                     # [B, K, V]
-        relaxed_match = counted.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)    # [B, K]
-        match = torch.where(thinking.unsqueeze(-1), relaxed_match, match)
-    m = match.int().cumprod(dim=-1).sum(-1)                                     # [B]
-    if offsets is None:
-        offsets = torch.arange(logits.shape[1], device=logits.device)
-    drafts_padded = torch.cat([drafts, target[:, -1:]], dim=1)                 # [B, K+1]
-    return m, torch.where(offsets[None, :] < m[:, None], drafts_padded, target)
-
-
 class StaticDecodeStep:
     """Buffers and the static computation for one batch size B (see the module docstring)."""
 
     def __init__(self, model: DeepseekV3ForCausalLM, head: ForwardPath, caches: list[torch.Tensor], K: int,
                  batch_size: int, max_blocks: int, tokens_per_block: int, scratch_block: int,
-                 relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
+                 relaxed: Optional[Relaxed], device: torch.device) -> None:
+        # relaxed: the rule of thinking rows (None: strict for every row).
         # head: the engine's forward path, whose LM head the step uses (the torch one on a GPU; on a CPU with the
         # native decoder its batch-invariant head, so the static step scores tokens as the eager steps do)
         self.model, self.head, self.caches, self.K, self.B = model, head, caches, K, batch_size
@@ -225,10 +206,10 @@ class GraphRunner:
 
     def __init__(self, model: DeepseekV3ForCausalLM, head: ForwardPath, caches: list[torch.Tensor], K: int,
                  batch_sizes: list[int], enable_padding: bool, max_blocks: int, tokens_per_block: int,
-                 scratch_block: int, relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
-        self.K, self.enable_padding = K, enable_padding
+                 scratch_block: int, acceptance: Acceptance, device: torch.device) -> None:
+        self.K, self.enable_padding, self.acceptance = K, enable_padding, acceptance
         self.steps = {b: StaticDecodeStep(model, head, caches, K, b, max_blocks, tokens_per_block, scratch_block,
-                                          relaxed, device) for b in sorted(set(batch_sizes))}
+                                          acceptance.relaxed, device) for b in sorted(set(batch_sizes))}
         self.num_replays = 0
         if device.type == "cuda":
             pool = None
@@ -242,9 +223,9 @@ class GraphRunner:
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional[StaticDecodeStep]:
         """The static step that can run this batch, or None (it then runs eagerly)."""
-        if not rows or any(r.is_prefill or not r.seq.params.greedy or len(r.token_ids) != self.K + 1
-                           or (self.K and r.seq.mtp.num_valid != r.start) or r.seq.params.needs_logits
-                           for r in rows):
+        if not rows or any(r.is_prefill or len(r.token_ids) != self.K + 1 or (self.K and r.seq.mtp.num_valid != r.start)
+                           or r.seq.params.needs_logits for r in rows) \
+                or not self.acceptance.fused("static", [r.seq for r in rows]):
             return None
         fits = [b for b in self.steps if b >= len(rows) and (b == len(rows) or self.enable_padding)]
         return self.steps[min(fits)] if fits else None
@@ -252,7 +233,7 @@ class GraphRunner:
 
 def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMConfig, caches: list[torch.Tensor],
                       blocks: BlockManager,
-                      K: int, mode: Optional[str], relaxed: Optional[tuple[int, float]], max_seq_len: int,
+                      K: int, mode: Optional[str], acceptance: Acceptance, max_seq_len: int,
                       fixed_counts: bool, overlap: bool, injected_drafter: bool
                       ) -> tuple[Optional[GraphRunner], Optional[NativeStep]]:
     """The engine's fused steps: the static (CUDA-graph) step for each batch size of cuda_graph_config, or
@@ -272,10 +253,9 @@ def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMC
                  if b <= cfg.max_batch_size]
         graphs = GraphRunner(model, path, caches, K, sizes, cg.enable_padding, blocks.blocks_for(max_seq_len + 2 * K),
                              blocks.tokens_per_block, scratch[0],
-                             relaxed if relaxed and relaxed[0] > 1 and relaxed[1] > 0 else None,
-                             torch.device(cfg.device))
+                             acceptance, torch.device(cfg.device))
     use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
-    native = (NativeStep(model, path, caches, K, relaxed, fixed_counts=fixed_counts, vanilla=mode == "vanilla",
+    native = (NativeStep(model, path, caches, K, acceptance, fixed_counts=fixed_counts, vanilla=mode == "vanilla",
                          confidence=confidence)
               if use_native_step and graphs is None and not overlap and not injected_drafter
               and isinstance(path, NativeDecoder) else None)
