@@ -165,12 +165,13 @@ class NativeStep:
             mtp, valid = r.seq.mtp, r.start + row[0]
             first, at = first + len(r.token_ids), first
             if n:
+                window = None
                 if self.vanilla:      # the main hidden states of its last min(K, window) valid positions
                     kept = min(K, valid - max(min(valid - K, mtp.num_valid), 0))
-                    mtp.window_hidden = windows[b, K - kept:]
-                mtp.num_valid, mtp.pending = valid, None
-            elif not mtp.is_off:
-                backlog.hold(mtp, hidden[at:at + row[0]], valid, copy=not views_ok)
+                    window = windows[b, K - kept:]
+                backlog.settle(mtp, valid, True, window=window)
+            else:
+                backlog.settle(mtp, valid, False, hidden[at:at + row[0]], copy=not views_ok)
 
     # ---- rows that need their logits --------------------------------------------------------
     def _logits_args(self, rows: list[ScheduledRow]) -> Optional[dict]:

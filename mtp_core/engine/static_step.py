@@ -5,7 +5,7 @@ batch size; run eagerly over the same buffers without CUDA), and its CPU twin na
 whole step as one native call, mtp_core::mtp_step). Both answer `step_for(rows)`: a step that can run this
 batch, or None (the batch then takes the engine's general path); its `run(rows)` returns (the verification:
 emitted tokens per row and the logprobs asked for, next drafts per row) and brings every row's MTP state
-(seq.mtp) up to date; `num_replays` counts
+(seq.mtp) up to date with backlog.settle, as the general path does; `num_replays` counts
 the steps run whole. A fused step drafts before the draft-length policy has seen what it emits, so it
 drafts a count of its own for every row (K, or the count the policy chose last); the engine cuts each
 row's drafts to the policy's choice once the step is committed. `make_static_steps` builds them,
@@ -53,6 +53,7 @@ from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.forward_path import ForwardPath
 from mtp_core.model.native_decode import NativeDecoder
+from mtp_core.speculative import backlog
 from mtp_core.speculative.verifier import Acceptance, Relaxed, VerifyResult, verify_static
 
 log = logging.getLogger("mtp.graphs")
@@ -197,7 +198,7 @@ class StaticDecodeStep:
         K = self.K
         out = torch.cat([self.emitted, self.num_emitted[:, None], self.drafts], dim=1)[: len(rows)].cpu().tolist()
         for r, row in zip(rows, out):
-            r.seq.mtp.num_valid = r.start + row[K + 1]   # every row's MTP caches cover its new valid positions
+            backlog.settle(r.seq.mtp, r.start + row[K + 1], True)   # every row drafted: MTP caches up to date
         return VerifyResult([row[: row[K + 1]] for row in out]), [row[K + 2:] for row in out]
 
 
