@@ -8,8 +8,9 @@
     store_drafts(inputs, drafts)     # keep the drafts, drop the KV of rejected drafts, settle the prefix cache
 
 Who does what: scheduler.py places the rows (overlap.py prepares the next step on a worker thread while
-this one drafts); a fused step (static_step.py: a CUDA graph, or one native call on a CPU) runs the forward,
-the verification and the drafting of a batch at once, otherwise model_runner.py and the verifier do;
+this one drafts); the step takes one of its routes (step.py): a fused step (static_step.py: a CUDA graph, or
+one native call on a CPU) runs the forward, the verification and the drafting of a batch at once, otherwise
+the general path's model_runner.py and the verifier do;
 speculative/policy.py chooses the draft counts, speculative/backlog.py runs the drafter. Each request
 records its statistics once, in seq.stats (the commit); Engine.stats sums them when read, the finished
 requests' from the total the scheduler keeps.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
 
@@ -28,7 +28,8 @@ from mtp_core.config import LLMConfig
 from mtp_core.engine.model_runner import ModelRunner, TargetOutput, verify_rows
 from mtp_core.engine.overlap import OverlapScheduler
 from mtp_core.engine.scheduler import ScheduledRow, Scheduler
-from mtp_core.engine.static_step import make_static_steps, run_fused
+from mtp_core.engine.static_step import make_static_steps
+from mtp_core.engine.step import FusedRoute, Route, StepOutput
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, copy_block, plan_num_blocks
 from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
@@ -47,13 +48,19 @@ from mtp_core.structured import GrammarBackend, Guided
 log = logging.getLogger("mtp.engine")
 
 
-@dataclass
-class StepOutput:
-    """The target half of a step: what the forward and the verification produced."""
-    rows: list[ScheduledRow]
-    verified: VerifyResult                     # emitted tokens per row (accepted drafts, then the bonus)
-    target: Optional[TargetOutput]             # hidden states (and logits) per row; None after a fused step
-    drafts: Optional[dict[int, list[int]]] = None   # a fused step's next drafts, by request id
+class GeneralRoute:
+    """The general path as a route (engine/step.py): it accepts every batch; Engine._target runs the target forward
+    and the verification, the engine's propose stage the drafter."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    def accepts(self, rows: list[ScheduledRow]) -> bool:
+        return True
+
+    def step(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]) -> StepOutput:
+        out, verified = self.engine._target(rows, meta)
+        return StepOutput(rows, verified, out)
 
 
 class Engine:
@@ -108,6 +115,10 @@ class Engine:
         self.grammars: Optional[GrammarBackend] = None
         if self.native_step is not None:
             self.native_step.bind(self.eos_token_ids, think_ids)
+        # the routes a step can take (engine/step.py), in order: the fused step where the batch allows, else the
+        # general path, which takes any batch
+        self.routes: list[Route] = [FusedRoute(f) for f in (self.graphs, self.native_step) if f is not None]
+        self.routes.append(GeneralRoute(self))
         # benchmarks only: replaces the proposed drafts to meet a given acceptance (speculative/replay.py)
         self.replay: Optional[Callable[[Sequence, list[int]], list[int]]] = None
 
@@ -226,17 +237,12 @@ class Engine:
         return rows, meta
 
     def _forward(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]) -> StepOutput:
-        """The target forward and verification: the fused step where the batch allows (it drafts too), else the
-        general path. Greedy requests whose logits the engine must see (logprobs, penalties, logit_bias,
+        """The target forward and verification by the first route that accepts the batch (engine/step.py): the fused
+        step where the batch allows (it drafts too), else the general path. Greedy requests whose logits the engine must see (logprobs, penalties, logit_bias,
         min_tokens, grammars) stay on the native CPU step, which prepares what they need along their drafts; the
         CUDA-graph step leaves them to the general path. The forward is batch-invariant, so every row's tokens and
         logprobs are the same on every path."""
-        fused = run_fused(self.graphs or self.native_step, rows)
-        if fused is not None:
-            verified, drafts = fused
-            return StepOutput(rows, verified, None, {r.seq.request_id: d for r, d in zip(rows, drafts)})
-        out, verified = self._target(rows, meta)
-        return StepOutput(rows, verified, out)
+        return next(r for r in self.routes if r.accepts(rows)).step(rows, meta)
 
     def _target(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]
                 ) -> tuple[TargetOutput, VerifyResult]:

@@ -8,8 +8,8 @@ emitted tokens per row and the logprobs asked for, next drafts per row) and brin
 (seq.mtp) up to date with backlog.settle, as the general path does; `num_replays` counts
 the steps run whole. A fused step drafts before the draft-length policy has seen what it emits, so it
 drafts a count of its own for every row (K, or the count the policy chose last); the engine cuts each
-row's drafts to the policy's choice once the step is committed. `make_static_steps` builds them,
-`run_fused` is the engine's one call.
+row's drafts to the policy's choice once the step is committed. `make_static_steps` builds them; the
+engine takes them as routes (engine/step.py: FusedRoute).
 
 The static step: a pure-decode batch of B rows, each feeding [t, d_1..d_K] at positions start..start+K, runs as one
 function of fixed-size buffers, with no host sync anywhere inside:
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -261,15 +261,3 @@ def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMC
               if use_native_step and graphs is None and not overlap and not injected_drafter
               and isinstance(path, NativeDecoder) else None)
     return graphs, native
-
-
-def run_fused(fused: Optional[Union[GraphRunner, NativeStep]], rows: list[ScheduledRow]
-              ) -> Optional[tuple[VerifyResult, list[list[int]]]]:
-    """(emitted tokens per row and the logprobs asked for, next drafts per row) when the fused step can run this
-    batch, else None."""
-    step = fused.step_for(rows) if fused is not None else None
-    if step is None:
-        return None
-    out = step.run(rows)
-    fused.num_replays += 1
-    return out
