@@ -39,7 +39,7 @@ from mtp_core.request.sequence import Sequence
 from mtp_core.request.stats import SpecStats
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
-from mtp_core.speculative.adaptive import DraftPolicy
+from mtp_core.speculative.adaptive import DraftLimits
 from mtp_core.speculative.drafter import DraftInput, Drafter, make_drafter
 from mtp_core.speculative.policy import DraftLenPolicy
 from mtp_core.speculative.verifier import Acceptance, VerifyResult
@@ -71,7 +71,7 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids)
         self.think_ids = think_ids
         spec = cfg.speculative_config
-        self.K = spec.max_draft_len if spec else 0
+        self.draft_len = spec.max_draft_len if spec else 0
         self.max_seq_len = cfg.max_seq_len or model.config.max_position_embeddings
         # which rule verifies each row (speculative/verifier.py): strict, relaxed where it is on, sampled, guided
         self.acceptance = Acceptance.of(spec, Guided.pair(think_ids))
@@ -84,9 +84,9 @@ class Engine:
         # the KV cache in the model's dtype, or e4m3 (kv_cache_config.dtype fp8: per-tensor scale 1, see
         # kv_cache/mla_cache.py), on every device
         dtype = torch.float8_e4m3fn if kv.dtype == "fp8" else next(model.parameters()).dtype
-        num_layers = len(model.model.layers) if self.K else model.num_main_layers
+        num_layers = len(model.model.layers) if self.draft_len else model.num_main_layers
         num_blocks = plan_num_blocks(model.config, kv, num_layers, dtype, device,
-                                     cfg.max_batch_size * (self.max_seq_len + 2 * self.K))
+                                     cfg.max_batch_size * (self.max_seq_len + 2 * self.draft_len))
         if num_blocks < 1:
             raise ValueError(f"the KV cache pool holds no block of {kv.tokens_per_block} tokens; raise "
                              "kv_cache_config.max_tokens or --kv_cache_fraction")
@@ -94,21 +94,22 @@ class Engine:
         self.blocks = BlockManager(num_blocks, kv.tokens_per_block, enable_reuse=kv.enable_block_reuse)
         self.blocks.copy_block = partial(copy_block, self.caches)
         self.policy = self._make_policy()
-        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, self.K + 1), self.K,
-                                   cfg.enable_chunked_prefill, policy=self.policy)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, self.draft_len + 1),
+                                   self.draft_len, cfg.enable_chunked_prefill, policy=self.policy)
         self.runner = ModelRunner(self.forward_path, self.caches, kv.tokens_per_block, device)
         self.drafter = drafter if drafter is not None else make_drafter(model, self.forward_path, self.caches,
                                                                         kv.tokens_per_block, spec)
-        mode = spec.resolved_mode(model.num_mtp_modules) if self.K and model.num_mtp_modules else None
-        self.scheduler.reuse = ReusePolicy.for_drafting(mode, self.K)
+        mode = spec.resolved_mode(model.num_mtp_modules) if self.draft_len and model.num_mtp_modules else None
+        self.scheduler.reuse = ReusePolicy.for_drafting(mode, self.draft_len)
         self.iter_log = iter_log
         self.num_steps = 0
         overlap = (not cfg.disable_overlap_scheduler and self.drafter is not None
                    and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
         self._overlap = OverlapScheduler(self.scheduler, self.runner) if overlap else None
         self.graphs, self.native_step = make_static_steps(
-            model, self.forward_path, cfg, self.caches, self.blocks, self.K, mode, self.acceptance, self.max_seq_len,
-            fixed_counts=self.policy.policy == "fixed", overlap=overlap, injected_drafter=drafter is not None)
+            model, self.forward_path, cfg, self.caches, self.blocks, self.draft_len, mode, self.acceptance,
+            self.max_seq_len, fixed_counts=self.policy.policy == "fixed", overlap=overlap,
+            injected_drafter=drafter is not None)
         # a static step's padded rows hold one block of the pool for good
         self.pool_tokens = (num_blocks - (self.graphs is not None)) * kv.tokens_per_block
         self.grammar_factory: Optional[Callable[[], GrammarBackend]] = None   # set by LLM (it has the tokenizer)
@@ -131,20 +132,20 @@ class Engine:
         policy = spec.draft_len_policy
         if policy == "cost" and cfg.tensor_parallel_size * cfg.moe_expert_parallel_size > 1:
             log.warning("draft_len_policy cost chooses from this process's measured step times, which ranks do "
-                        "not share; drafting %d per step (fixed)", self.K)
+                        "not share; drafting %d per step (fixed)", self.draft_len)
             policy = "fixed"
         if policy == "cost" and spec.use_relaxed_acceptance_for_thinking:
             log.warning("relaxed acceptance emits accepted drafts, so thinking-phase text depends on how many are "
                         "verified, which draft_len_policy cost chooses from measured timings: it may differ between "
                         "runs; set draft_len_policy: fixed for reproducible relaxed output")
         n = self.model.num_mtp_modules
-        modules = self.K if n and spec.resolved_mode(n) == "vanilla" else 1    # MTP modules one catch-up runs
-        log.info("draft length: %s", f"0..{self.K} per step, chosen from measured step costs (draft_len_policy "
-                 f"cost)" if policy == "cost" else f"{self.K} per step (draft_len_policy fixed)")
+        modules = self.draft_len if n and spec.resolved_mode(n) == "vanilla" else 1    # MTP modules one catch-up runs
+        log.info("draft length: %s", f"0..{self.draft_len} per step, chosen from measured step costs (draft_len_policy "
+                 f"cost)" if policy == "cost" else f"{self.draft_len} per step (draft_len_policy fixed)")
         # on a CPU the step's cost is the engine thread's CPU time: a shared machine's other load and idle
         # gaps between requests stay out of it; a GPU's work runs beside the thread, so wall time there
         clock = time.thread_time if torch.device(cfg.device).type == "cpu" else time.perf_counter
-        return DraftLenPolicy(self.K, DraftPolicy.from_spec(spec, cfg.max_batch_size), policy,
+        return DraftLenPolicy(self.draft_len, DraftLimits.from_spec(spec, cfg.max_batch_size), policy,
                               modules / max(self.model.num_main_layers, 1), clock)
 
     # ---- requests ------------------------------------------------------------------------
@@ -155,7 +156,7 @@ class Engine:
         if len(prompt_ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens but max_seq_len is {self.max_seq_len}; "
                              "shorten the prompt or raise --max_seq_len")
-        need = len(prompt_ids) + 1 + 2 * self.K
+        need = len(prompt_ids) + 1 + 2 * self.draft_len
         if need > self.pool_tokens:
             raise ValueError(f"the prompt needs {need} KV slots but the whole KV cache pool holds "
                              f"{self.pool_tokens}; raise kv_cache_config.max_tokens or --kv_cache_fraction")

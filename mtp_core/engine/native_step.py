@@ -55,7 +55,7 @@ class NativeStep:
     def __init__(self, model: DeepseekV3ForCausalLM, native: NativeDecoder, caches: list[torch.Tensor], K: int,
                  acceptance: Acceptance, fixed_counts: bool, vanilla: bool = False,
                  confidence: float = 0.0) -> None:
-        self.caches, self.K = caches, K
+        self.caches, self.draft_len = caches, K
         self.native = native
         self.hidden_size = model.config.hidden_size
         self.mtp_layer = model.num_main_layers if K else -1  # the first MTP module; -1: no drafting (nextn = 0)
@@ -85,7 +85,7 @@ class NativeStep:
         """The target forward and verification of this batch fit one call (target()): decode rows whose acceptance
         rule the call verifies (strict and greedy guided rows, with their logits processing and logprobs; not
         sampled or relaxed ones); whatever their MTP state (the drafter runs afterwards, as usual)."""
-        return bool(rows) and all(not r.is_prefill and len(r.token_ids) <= self.K + 1 for r in rows) \
+        return bool(rows) and all(not r.is_prefill and len(r.token_ids) <= self.draft_len + 1 for r in rows) \
             and self.acceptance.fused("native", [r.seq for r in rows])
 
     def target(self, rows: list[ScheduledRow]) -> tuple[VerifyResult, list[torch.Tensor]]:
@@ -114,15 +114,15 @@ class NativeStep:
 
     # ---- the rows' MTP state ---------------------------------------------------------------
     def _limit(self, r: ScheduledRow) -> int:
-        if not self.K or r.seq.mtp.is_off:
+        if not self.draft_len or r.seq.mtp.is_off:
             return 0
-        return self.K if self.fixed_counts else min(self.K, max(0, r.seq.mtp.draft_len))
+        return self.draft_len if self.fixed_counts else min(self.draft_len, max(0, r.seq.mtp.draft_len))
 
     def _window_len(self, r: ScheduledRow) -> int:
         """Stored positions before r.start the row's MTP forwards re-read: the lagging ones, and for Vanilla at
         least min(K - 1, start) (module 1's window reaches that far back)."""
         lag = r.start - r.seq.mtp.num_valid
-        return max(lag, min(self.K - 1, r.start)) if self.vanilla else lag
+        return max(lag, min(self.draft_len - 1, r.start)) if self.vanilla else lag
 
     def _stored(self, mtp: MTPState) -> int:
         """Positions before the row's valid length whose main hidden states the engine keeps (window, pending)."""
@@ -157,10 +157,10 @@ class NativeStep:
         """After run(): rows that drafted have MTP caches up to their new valid length (Vanilla: and a new window);
         the others lag, keeping their new positions' hidden states (copies unless every row fed one token: a view
         would keep the whole step's states alive)."""
-        if not self.K:
+        if not self.draft_len:
             return
         views_ok = hidden.shape[0] == len(rows)
-        K, first = self.K, 0                 # first: the row's first position in hidden [T, H]
+        K, first = self.draft_len, 0                 # first: the row's first position in hidden [T, H]
         for b, (r, row, n) in enumerate(zip(rows, out, limits)):
             mtp, valid = r.seq.mtp, r.start + row[0]
             first, at = first + len(r.token_ids), first
@@ -211,7 +211,7 @@ class NativeStep:
         tables = _i32([b for r in rows for b in r.seq.block_table + [-1] * (width - len(r.seq.block_table))]
                       ).view(len(rows), width)
         vanilla = self.vanilla and mtp_layer >= 0
-        chain = [min(self.K - 1, n) if vanilla else max(n - 1, 0) for n in limits]
+        chain = [min(self.draft_len - 1, n) if vanilla else max(n - 1, 0) for n in limits]
         ends = [r.start + len(r.token_ids) + c for r, c in zip(rows, chain)]
         nd = self.native
         if max(ends) > nd.rope_len:
@@ -222,7 +222,7 @@ class NativeStep:
         logits = self._logits_args(rows)
         out, hidden, windows, lp_vals, lp_ids = nd.step_op(
             nd.handle, _i64(ids), _i32(qs), _i64([r.start for r in rows]), tables, _i32(limits),
-            self.caches, nd.rope_cos, nd.rope_sin, mtp_layer, self.K if vanilla else 1, *window,
+            self.caches, nd.rope_cos, nd.rope_sin, mtp_layer, self.draft_len if vanilla else 1, *window,
             self.confidence if drafting else 0.0, **(logits or {}))
         out = out.tolist()
         top = logits.get("top_logprobs") if logits else None

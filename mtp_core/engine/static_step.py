@@ -89,7 +89,7 @@ class StaticDecodeStep:
         # relaxed: the rule of thinking rows (None: strict for every row).
         # head: the engine's forward path, whose LM head the step uses (the torch one on a GPU; on a CPU with the
         # native decoder its batch-invariant head, so the static step scores tokens as the eager steps do)
-        self.model, self.head, self.caches, self.K, self.B = model, head, caches, K, batch_size
+        self.model, self.head, self.caches, self.draft_len, self.B = model, head, caches, K, batch_size
         self.bs, self.scratch, self.relaxed = tokens_per_block, scratch_block, relaxed
         B, Q = batch_size, K + 1
         # inputs
@@ -126,7 +126,7 @@ class StaticDecodeStep:
     def forward(self) -> None:
         """The step over the input buffers: the model's torch modules over device-only metadata (every MoE dense:
         AttentionMetadata.static_shapes) and the engine's LM head, so a CUDA graph can capture it."""
-        model, caches, K = self.model, self.caches, self.K
+        model, caches, K = self.model, self.caches, self.draft_len
         positions = self.start[:, None] + self.offsets                          # [B, K+1]
         meta = self._meta(positions)
         hidden = model(self.input_ids.flatten(), meta, caches)                  # [B*(K+1), H]
@@ -153,7 +153,7 @@ class StaticDecodeStep:
 
         One host-to-device copy per step, from a pinned buffer and non-blocking: the previous step's
         staging buffer is free again because run() ended with a device-to-host copy (a stream sync)."""
-        Q, max_blocks = self.K + 1, self.block_tables.shape[1]
+        Q, max_blocks = self.draft_len + 1, self.block_tables.shape[1]
         n_ids, n_start, n_tables, n_think = self._layout
         flat = [0] * (n_ids + n_start) + [self.scratch] * n_tables + [0] * n_think     # scratch rows by default
         o_start, o_tables, o_think = n_ids, n_ids + n_start, n_ids + n_start + n_tables
@@ -195,7 +195,7 @@ class StaticDecodeStep:
         else:
             with torch.inference_mode():
                 self.forward()
-        K = self.K
+        K = self.draft_len
         out = torch.cat([self.emitted, self.num_emitted[:, None], self.drafts], dim=1)[: len(rows)].cpu().tolist()
         for r, row in zip(rows, out):
             backlog.settle(r.seq.mtp, r.start + row[K + 1], True)   # every row drafted: MTP caches up to date
@@ -208,7 +208,7 @@ class GraphRunner:
     def __init__(self, model: DeepseekV3ForCausalLM, head: ForwardPath, caches: list[torch.Tensor], K: int,
                  batch_sizes: list[int], enable_padding: bool, max_blocks: int, tokens_per_block: int,
                  scratch_block: int, acceptance: Acceptance, device: torch.device) -> None:
-        self.K, self.enable_padding, self.acceptance = K, enable_padding, acceptance
+        self.draft_len, self.enable_padding, self.acceptance = K, enable_padding, acceptance
         self.steps = {b: StaticDecodeStep(model, head, caches, K, b, max_blocks, tokens_per_block, scratch_block,
                                           acceptance.relaxed, device) for b in sorted(set(batch_sizes))}
         self.num_replays = 0
@@ -224,7 +224,8 @@ class GraphRunner:
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional[StaticDecodeStep]:
         """The static step that can run this batch, or None (it then runs eagerly)."""
-        if not rows or any(r.is_prefill or len(r.token_ids) != self.K + 1 or (self.K and r.seq.mtp.num_valid != r.start)
+        K = self.draft_len
+        if not rows or any(r.is_prefill or len(r.token_ids) != K + 1 or (K and r.seq.mtp.num_valid != r.start)
                            or r.seq.params.needs_logits for r in rows) \
                 or not self.acceptance.fused("static", [r.seq for r in rows]):
             return None
