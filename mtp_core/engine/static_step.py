@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -80,6 +81,33 @@ def static_step_unsupported(model: DeepseekV3ForCausalLM, mode: Optional[str], K
     return None
 
 
+@dataclass
+class StaticInputs:
+    """What the static computation reads: the batch (loaded each step) and two index constants."""
+    input_ids: torch.Tensor      # [B, K+1] each row's [t, d_1..d_K]
+    start: torch.Tensor          # [B] the position of t
+    block_tables: torch.Tensor   # [B, max_blocks] int32 (scratch rows: the scratch block)
+    thinking: torch.Tensor       # [B] bool: relaxed acceptance applies
+    offsets: torch.Tensor        # [K+1] 0..K
+    rows: torch.Tensor           # [B] 0..B-1
+
+
+@dataclass
+class StaticOutputs:
+    """What it writes, read back with one device-to-host copy."""
+    emitted: torch.Tensor        # [B, K+1] the emitted tokens, then the target's choices past them
+    num_emitted: torch.Tensor    # [B]
+    drafts: torch.Tensor         # [B, K] the next drafts
+
+
+class Staging(NamedTuple):
+    """load()'s one host-to-device copy: every input in one int64 host buffer (pinned on CUDA), sent with one
+    asynchronous copy; the device then spreads it over the input buffers (int32 / bool casts included)."""
+    layout: tuple[int, int, int, int]    # ids, start, tables, thinking
+    host: torch.Tensor
+    staged: torch.Tensor
+
+
 class StaticDecodeStep:
     """Buffers and the static computation for one batch size B (see the module docstring)."""
 
@@ -92,60 +120,55 @@ class StaticDecodeStep:
         self.model, self.head, self.caches, self.draft_len, self.B = model, head, caches, K, batch_size
         self.bs, self.scratch, self.relaxed = tokens_per_block, scratch_block, relaxed
         B, Q = batch_size, K + 1
-        # inputs
-        self.input_ids = torch.zeros(B, Q, dtype=torch.long, device=device)
-        self.start = torch.zeros(B, dtype=torch.long, device=device)
-        self.block_tables = torch.full((B, max_blocks), scratch_block, dtype=torch.int32, device=device)
-        self.thinking = torch.zeros(B, dtype=torch.bool, device=device)
-        self.offsets = torch.arange(Q, device=device)
-        self.rows = torch.arange(B, device=device)
-        # outputs
-        self.emitted = torch.zeros(B, Q, dtype=torch.long, device=device)
-        self.num_emitted = torch.ones(B, dtype=torch.long, device=device)
-        self.drafts = torch.zeros(B, K, dtype=torch.long, device=device)
+        self.inputs = StaticInputs(torch.zeros(B, Q, dtype=torch.long, device=device),
+                                   torch.zeros(B, dtype=torch.long, device=device),
+                                   torch.full((B, max_blocks), scratch_block, dtype=torch.int32, device=device),
+                                   torch.zeros(B, dtype=torch.bool, device=device),
+                                   torch.arange(Q, device=device), torch.arange(B, device=device))
+        self.outputs = StaticOutputs(torch.zeros(B, Q, dtype=torch.long, device=device),
+                                     torch.ones(B, dtype=torch.long, device=device),
+                                     torch.zeros(B, K, dtype=torch.long, device=device))
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
-        # load() stages every input in one int64 host buffer (pinned on CUDA) and sends it with one
-        # asynchronous copy; the device then spreads it over the input buffers (int32 / bool casts included).
-        self._layout = (B * Q, B, B * max_blocks, B)                             # ids, start, tables, thinking
-        total = sum(self._layout)
+        layout = (B * Q, B, B * max_blocks, B)
         pinned = device.type == "cuda"
-        self._host = torch.zeros(total, dtype=torch.long, pin_memory=pinned)
-        self._staged = torch.zeros(total, dtype=torch.long, device=device)
+        self.staging = Staging(layout, torch.zeros(sum(layout), dtype=torch.long, pin_memory=pinned),
+                               torch.zeros(sum(layout), dtype=torch.long, device=device))
 
     # ---- the static computation -------------------------------------------------------------
     def _meta(self, positions: torch.Tensor) -> AttentionMetadata:
         """positions [B, Q] -> metadata of a uniform step (slots looked up in the block tables on device)."""
-        tables = self.block_tables.long()
-        slots = tables.gather(1, positions // self.bs) * self.bs + positions % self.bs
-        return AttentionMetadata.uniform(positions.flatten(), slots.flatten(), self.block_tables,
+        tables = self.inputs.block_tables
+        slots = tables.long().gather(1, positions // self.bs) * self.bs + positions % self.bs
+        return AttentionMetadata.uniform(positions.flatten(), slots.flatten(), tables,
                                          (positions[:, -1] + 1).to(torch.int32))
 
     def _verify(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return verify_static(logits, self.input_ids[:, 1:], self.thinking, self.relaxed, self.offsets)
+        i = self.inputs
+        return verify_static(logits, i.input_ids[:, 1:], i.thinking, self.relaxed, i.offsets)
 
     def forward(self) -> None:
         """The step over the input buffers: the model's torch modules over device-only metadata (every MoE dense:
         AttentionMetadata.static_shapes) and the engine's LM head, so a CUDA graph can capture it."""
-        model, caches, K = self.model, self.caches, self.draft_len
-        positions = self.start[:, None] + self.offsets                          # [B, K+1]
+        model, caches, K, i, o = self.model, self.caches, self.draft_len, self.inputs, self.outputs
+        positions = i.start[:, None] + i.offsets                                # [B, K+1]
         meta = self._meta(positions)
-        hidden = model(self.input_ids.flatten(), meta, caches)                  # [B*(K+1), H]
+        hidden = model(i.input_ids.flatten(), meta, caches)                     # [B*(K+1), H]
         logits = self.head.logits(hidden).view(self.B, K + 1, -1)
         m, emitted = self._verify(logits)
-        self.emitted.copy_(emitted)
-        self.num_emitted.copy_(m + 1)
+        o.emitted.copy_(emitted)
+        o.num_emitted.copy_(m + 1)
         if not K:
             return
         # Eagle forward 1 over every position: (x_{q+1}, h_q) entries, the valid ones are q <= start+m
         g = model.mtp_forward(0, emitted.flatten(), hidden, meta, caches).view(self.B, K + 1, -1)
-        g = g[self.rows, m]                                                     # [B, H] at q = start+m
+        g = g[i.rows, m]                                                        # [B, H] at q = start+m
         d = self.head.logits(g).argmax(-1)
-        self.drafts[:, 0].copy_(d)
+        o.drafts[:, 0].copy_(d)
         for j in range(1, K):
-            pos = (self.start + m + j)[:, None]                                 # [B, 1]
+            pos = (i.start + m + j)[:, None]                                    # [B, 1]
             g = model.mtp_forward(0, d, g, self._meta(pos), caches)
             d = self.head.logits(g).argmax(-1)
-            self.drafts[:, j].copy_(d)
+            o.drafts[:, j].copy_(d)
 
     # ---- host side ---------------------------------------------------------------------------
     def load(self, rows: list[ScheduledRow]) -> None:
@@ -153,8 +176,9 @@ class StaticDecodeStep:
 
         One host-to-device copy per step, from a pinned buffer and non-blocking: the previous step's
         staging buffer is free again because run() ended with a device-to-host copy (a stream sync)."""
-        Q, max_blocks = self.draft_len + 1, self.block_tables.shape[1]
-        n_ids, n_start, n_tables, n_think = self._layout
+        i, staging = self.inputs, self.staging
+        Q, max_blocks = self.draft_len + 1, i.block_tables.shape[1]
+        n_ids, n_start, n_tables, n_think = staging.layout
         flat = [0] * (n_ids + n_start) + [self.scratch] * n_tables + [0] * n_think     # scratch rows by default
         o_start, o_tables, o_think = n_ids, n_ids + n_start, n_ids + n_start + n_tables
         for b, r in enumerate(rows):
@@ -166,13 +190,13 @@ class StaticDecodeStep:
             flat[o_start + b] = r.start
             flat[o_tables + b * max_blocks:o_tables + b * max_blocks + len(table)] = table
             flat[o_think + b] = int(r.seq.in_thinking)
-        self._host.copy_(torch.tensor(flat, dtype=torch.long))
-        self._staged.copy_(self._host, non_blocking=True)
-        parts = self._staged.split(self._layout)
-        self.input_ids.copy_(parts[0].view(self.B, Q))
-        self.start.copy_(parts[1])
-        self.block_tables.copy_(parts[2].view(self.B, max_blocks))     # int64 -> int32 on the device
-        self.thinking.copy_(parts[3] != 0)
+        staging.host.copy_(torch.tensor(flat, dtype=torch.long))
+        staging.staged.copy_(staging.host, non_blocking=True)
+        parts = staging.staged.split(staging.layout)
+        i.input_ids.copy_(parts[0].view(self.B, Q))
+        i.start.copy_(parts[1])
+        i.block_tables.copy_(parts[2].view(self.B, max_blocks))        # int64 -> int32 on the device
+        i.thinking.copy_(parts[3] != 0)
 
     def capture(self, pool=None) -> None:
         """CUDA only: two warm-up runs on a side stream, then capture (the buffers hold scratch rows, so
@@ -196,7 +220,8 @@ class StaticDecodeStep:
             with torch.inference_mode():
                 self.forward()
         K = self.draft_len
-        out = torch.cat([self.emitted, self.num_emitted[:, None], self.drafts], dim=1)[: len(rows)].cpu().tolist()
+        o = self.outputs
+        out = torch.cat([o.emitted, o.num_emitted[:, None], o.drafts], dim=1)[: len(rows)].cpu().tolist()
         for r, row in zip(rows, out):
             backlog.settle(r.seq.mtp, r.start + row[K + 1], True)   # every row drafted: MTP caches up to date
         return VerifyResult([row[: row[K + 1]] for row in out]), [row[K + 2:] for row in out]
