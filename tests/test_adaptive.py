@@ -22,6 +22,7 @@ from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
 from mtp_core.config.schedule import parse_schedule
 from mtp_core.speculative.adaptive import DraftLimits
+from mtp_core.request.mtp_state import MTPState
 from mtp_core.request.stats import SpecStats
 
 torch.set_num_threads(1)
@@ -170,6 +171,23 @@ def test_mtp_lag_beyond_the_cap_switches_drafting_off(models, monkeypatch):
     seqs = run_to_end(eng, prompts, [greedy(6), greedy(14), greedy(16)])
     assert [s.output_ids for s in seqs] == [reference(model, p, n) for p, n in zip(prompts, (6, 14, 16))]
     assert all(s.mtp.is_off for s in seqs[1:]) and seqs[1].mtp.pending is None
+
+
+def test_settle_is_the_one_update_of_the_mtp_state_after_a_step():
+    """backlog.settle, which every route calls: a row that skipped its MTP forwards lags and holds its new hidden
+    states (copied); one whose forwards ran is up to date (Vanilla: with its new window); drafting off keeps
+    nothing."""
+    mtp, h = MTPState(num_valid=10), torch.ones(2, 4)
+    backlog.settle(mtp, 12, False, h, copy=True)
+    assert mtp.num_valid == 10 and len(mtp.pending) == 1 and mtp.pending[0] is not h
+    assert torch.equal(mtp.pending[0], h)
+    window = torch.zeros(3, 4)
+    backlog.settle(mtp, 13, True, window=window)
+    assert (mtp.num_valid, mtp.pending) == (13, None) and mtp.window_hidden is window
+    off = MTPState(num_valid=4, is_off=True)
+    backlog.settle(off, 9, True)
+    backlog.settle(off, 9, False, h)
+    assert (off.num_valid, off.pending) == (4, None)
 
 
 # ---- policy rules ----------------------------------------------------------------------------

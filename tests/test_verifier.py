@@ -15,9 +15,10 @@ import torch
 from mtp_core.sampling import SamplingParams
 from mtp_core.request.stats import SpecStats
 from mtp_core.speculative.verifier import (
-    STRICT, Acceptance, Relaxed, relaxed_counted, verify, verify_relaxed_row, verify_sampled_row, verify_static,
-    verify_strict,
+    STRICT, Acceptance, Relaxed, accept_while_equal, relaxed_counted, verify, verify_relaxed_row, verify_sampled_row,
+    verify_static, verify_strict,
 )
+from mtp_core.structured import Guided
 
 torch.set_num_threads(1)
 
@@ -84,6 +85,47 @@ def test_strict_without_drafts_emits_the_first_target():
     logits = torch.stack([one_hot([G]), one_hot([C])])            # prefill: K = 0
     res = verify_strict(logits, torch.zeros(2, 0, dtype=torch.long))
     assert res.tokens == [[G], [C]]
+
+
+@pytest.mark.parametrize("drafts,targets,emitted", STRICT_TABLE)
+def test_strict_table_every_form(drafts, targets, emitted):
+    """The strict rule's three forms on the same table: accept_while_equal (eager and lazy choices), the rule's row
+    verify, and its flat form through verify_static."""
+    assert accept_while_equal(targets, drafts) == emitted
+    asked: list[int] = []
+
+    def lazy():
+        for t in targets:
+            asked.append(t)
+            yield t
+    assert accept_while_equal(lazy(), drafts) == emitted and asked == emitted    # nothing past the first miss
+    assert STRICT.verify_row(one_hot(targets), torch.tensor(drafts)) == emitted
+    m, out = verify_static(one_hot(targets)[None], drafts_of(*drafts), torch.tensor([False]), None)
+    assert out[0, : int(m) + 1].tolist() == emitted
+
+
+def test_acceptance_picks_one_rule_per_row_and_the_fused_steps_that_verify_it():
+    """Acceptance.rule_for: a grammar first (greedy or sampled), then sampled, then relaxed for a greedy thinking row
+    where it is on, else strict; each rule names the fused steps that verify it inside their call."""
+    acc = Acceptance(Relaxed(3, 0.2), Guided.pair(None))
+
+    def row(temperature: float = 0.0, thinking: bool = False, guided: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(params=SamplingParams(temperature=temperature), in_thinking=thinking,
+                               matcher=object() if guided else None, generator=None)
+    table = [
+        (row(), "strict", ("static", "native")),
+        (row(thinking=True), "relaxed", ("static",)),
+        (row(temperature=0.8), "sampled", ()),
+        (row(temperature=0.8, thinking=True), "sampled", ()),
+        (row(guided=True), "guided", ("native",)),
+        (row(guided=True, thinking=True), "guided", ("native",)),
+        (row(temperature=0.8, guided=True), "guided", ()),
+    ]
+    for seq, name, fused in table:
+        rule = acc.rule_for(seq)
+        assert (rule.name, tuple(rule.fused)) == (name, fused)
+    assert acc.fused("static", [row(), row(thinking=True)]) and not acc.fused("native", [row(), row(thinking=True)])
+    assert Acceptance.of(None, Guided.pair(None)).rule_for(row(thinking=True)) is STRICT      # relaxed off
 
 
 # ---- relaxed ---------------------------------------------------------------------------------
