@@ -11,12 +11,12 @@ import torch
 
 from mtp_core.config import LLMConfig
 from mtp_core.engine.engine import Engine
-from mtp_core.structured import GrammarBackend
-from mtp_core.engine.sequence import Sequence
 from mtp_core.loader import load_model
 from mtp_core.model import DeepseekV3ForCausalLM
+from mtp_core.request.sequence import Sequence
+from mtp_core.request.stats import SpecStats
 from mtp_core.sampling import SamplingParams
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.structured import GrammarBackend
 from mtp_core.tokenizer import Tokenizer
 
 log = logging.getLogger("mtp.llm")
@@ -58,7 +58,7 @@ class LLM:
         self.engine = Engine(self.model, config, eos, self.tokenizer.think_token_ids(), iter_log=iter_log)
         # structured output: xgrammar over this tokenizer, built on the first guided request
         # (no reference to self: the engine is frozen below, and a cycle through it would keep this LLM alive)
-        tok, vocab, rollback = self.tokenizer, self.model.config.vocab_size, self.engine.K + 1
+        tok, vocab, rollback = self.tokenizer, self.model.config.vocab_size, self.engine.draft_len + 1
         self.engine.grammar_factory = lambda: GrammarBackend(tok, vocab, eos, rollback,
                                                              tuple(tok.think_token_ids() or ()))
         # everything built so far lives as long as the engine: keep the cyclic GC from re-scanning it on every

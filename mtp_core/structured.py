@@ -24,12 +24,13 @@ from __future__ import annotations
 import json
 import re
 import threading
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 
 from mtp_core.sampling import SamplingParams, sample_tokens
+from mtp_core.speculative.verifier import accept_while_equal
 
 GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "tool_calls")
 # an internal error's location in xgrammar's messages ("[12:00:00] /project/cpp/x.cc:123: "): not the client's business
@@ -174,28 +175,59 @@ def verify_guided_row(backend: GrammarBackend, matcher: "Guide", logits: torch.T
                       params: SamplingParams, generator: Optional[torch.Generator], thinking: bool,
                       think_ids: Optional[tuple[int, int]]) -> list[int]:
     """One guided row: logits [K+1, V] (processed), drafts [K]. Returns the emitted tokens (accepted drafts,
-    then the bonus); the matcher is left where it was."""
+    then the bonus): strict acceptance (speculative/verifier.py: accept_while_equal) against the choice under
+    the grammar's mask at each position; the matcher is left where it was."""
+    taken = [0]
+    out = accept_while_equal(_guided_choices(backend, matcher, logits, params, generator, thinking, think_ids,
+                                             taken), drafts)
+    if taken[0]:
+        matcher.rollback(taken[0])
+    return out
+
+
+def _guided_choices(backend: GrammarBackend, matcher: "Guide", logits: torch.Tensor, params: SamplingParams,
+                    generator: Optional[torch.Generator], thinking: bool, think_ids: Optional[tuple[int, int]],
+                    taken: list[int]) -> Iterator[int]:
+    """The choice at each position of a guided row, made only once the drafts before it are accepted (the mask
+    continues after them, the generator draws in order). Ends early where the row ends even on a match: a stop
+    token, the grammar's end or a draft it rejects. taken[0]: the drafts the matcher took (to roll back)."""
     bitmask = backend.new_bitmask()
-    out: list[int] = []
-    taken = 0
     for i in range(logits.shape[0]):
         row = logits[i] if thinking else backend.mask(matcher, logits[i], bitmask)
         tok = int(sample_tokens(row.view(1, -1), params, generator)[0])
-        out.append(tok)
-        if i >= len(drafts) or drafts[i] != tok or (not thinking and tok in backend.stop_ids):
-            break                       # (the grammar's end: the engine stops at the stop token)
-        # the draft is accepted: the next position's mask continues after it
+        yield tok
+        # the draft equal to tok is accepted
+        if not thinking and tok in backend.stop_ids:
+            return                      # (the grammar's end: the engine stops at the stop token)
         if think_ids is not None and tok == think_ids[0]:
             thinking = True
         elif think_ids is not None and tok == think_ids[1]:
             thinking = False
         elif not thinking:
             if matcher.is_terminated() or not matcher.accept_token(tok):
-                break
-            taken += 1
-    if taken:
-        matcher.rollback(taken)
-    return out
+                return
+            taken[0] += 1
+
+
+class Guided:
+    """The acceptance rule of a guided row (speculative/verifier.py): `verify_guided_row` on the processed
+    logits. The native step verifies greedy guided rows inside its call (with `guided_masks`); sampled ones take
+    the general path."""
+    name = "guided"
+
+    def __init__(self, think_ids: Optional[tuple[int, int]], greedy: bool) -> None:
+        self.think_ids = think_ids
+        self.fused: tuple[str, ...] = ("native",) if greedy else ()
+
+    @classmethod
+    def pair(cls, think_ids: Optional[tuple[int, int]]) -> tuple["Guided", "Guided"]:
+        """The rules of greedy and of sampled guided rows (Acceptance's `guided`)."""
+        return cls(think_ids, True), cls(think_ids, False)
+
+    def verify_row(self, logits: torch.Tensor, drafts: torch.Tensor, seq: Any) -> list[int]:
+        after_think = seq.params.guided_after_think and self.think_ids is not None
+        return verify_guided_row(seq.matcher.backend, seq.matcher, logits, drafts.tolist(), seq.params, seq.generator,
+                                 after_think and seq.in_thinking, self.think_ids if after_think else None)
 
 
 def guided_masks(backend: GrammarBackend, guide: Guide, drafts: list[int], thinking: bool,

@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from mtp_core.config import KvCacheConfig, LLMConfig, SpeculativeConfig
 from mtp_core.engine.engine import Engine
-from mtp_core.engine.sequence import Sequence
+from mtp_core.request.sequence import Sequence
 from mtp_core.llm import LLM
 from mtp_core.loader import load_model
 from mtp_core.model import DeepseekV3ForCausalLM

@@ -21,8 +21,9 @@ from mtp_core.config import CudaGraphConfig, SpeculativeConfig
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
 from mtp_core.config.schedule import parse_schedule
-from mtp_core.speculative.adaptive import DraftPolicy
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.speculative.adaptive import DraftLimits
+from mtp_core.request.mtp_state import MTPState
+from mtp_core.request.stats import SpecStats
 
 torch.set_num_threads(1)
 
@@ -172,6 +173,23 @@ def test_mtp_lag_beyond_the_cap_switches_drafting_off(models, monkeypatch):
     assert all(s.mtp.is_off for s in seqs[1:]) and seqs[1].mtp.pending is None
 
 
+def test_settle_is_the_one_update_of_the_mtp_state_after_a_step():
+    """backlog.settle, which every route calls: a row that skipped its MTP forwards lags and holds its new hidden
+    states (copied); one whose forwards ran is up to date (Vanilla: with its new window); drafting off keeps
+    nothing."""
+    mtp, h = MTPState(num_valid=10), torch.ones(2, 4)
+    backlog.settle(mtp, 12, False, h, copy=True)
+    assert mtp.num_valid == 10 and len(mtp.pending) == 1 and mtp.pending[0] is not h
+    assert torch.equal(mtp.pending[0], h)
+    window = torch.zeros(3, 4)
+    backlog.settle(mtp, 13, True, window=window)
+    assert (mtp.num_valid, mtp.pending) == (13, None) and mtp.window_hidden is window
+    off = MTPState(num_valid=4, is_off=True)
+    backlog.settle(off, 9, True)
+    backlog.settle(off, 9, False, h)
+    assert (off.num_valid, off.pending) == (4, None)
+
+
 # ---- policy rules ----------------------------------------------------------------------------
 
 class _Seq:
@@ -182,11 +200,11 @@ class _Seq:
 
 
 def test_schedule_lookup():
-    pol = DraftPolicy(4, {1: 4, 4: 2, 16: 0}, max_batch_size=32)
+    pol = DraftLimits(4, {1: 4, 4: 2, 16: 0}, max_batch_size=32)
     assert [pol.batch_limit(n) for n in (1, 2, 3, 4, 15, 16, 40)] == [4, 4, 4, 2, 2, 0, 0]
-    assert DraftPolicy(3, {2: 1}).batch_limit(1) == 3          # below the smallest key: K
-    assert DraftPolicy(3, {1: 5}).batch_limit(1) == 3          # never above K
-    assert DraftPolicy(3).batch_limit(100) == 3
+    assert DraftLimits(3, {2: 1}).batch_limit(1) == 3          # below the smallest key: K
+    assert DraftLimits(3, {1: 5}).batch_limit(1) == 3          # never above K
+    assert DraftLimits(3).batch_limit(100) == 3
     assert pol.in_flight(10, 30) == 32
     assert parse_schedule("1:4, 4:2,16:0") == {1: 4, 4: 2, 16: 0}
 
@@ -194,7 +212,7 @@ def test_schedule_lookup():
 def test_acceptance_window_pauses_then_probes_again():
     """Window 3, threshold 2.0: the mean AL of the last 3 drafting steps below 2 pauses the request for
     3 decode steps; then it drafts again with an empty window (never off for good)."""
-    pol, seq, st = DraftPolicy(3, window=3, al_threshold=2.0), _Seq(), SpecStats()
+    pol, seq, st = DraftLimits(3, window=3, al_threshold=2.0), _Seq(), SpecStats()
     limits = []
     for proposed, accepted in [(3, 3), (3, 0), (0, 0), (3, 1), (3, 0), (1, 0), (1, 0), (1, 0),
                                (3, 0), (3, 2), (3, 3), (2, 0)]:

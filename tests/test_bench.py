@@ -19,7 +19,7 @@ from mtp_core.bench.roofline import distinct_experts, measure_bandwidth, step_by
 from mtp_core.bench.runner import run_requests
 from mtp_core.bench.sweep import sweep_settings
 from mtp_core.chat_format import BOS
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.request.stats import SpecStats
 from mtp_core.tokenizer import Tokenizer
 from mtp_factory.data import FAMILIES
 

@@ -11,6 +11,7 @@ from conftest import PROMPTS, THINK_IDS, greedy, make_engine, reference, run_to_
 from mtp_core.config import CudaGraphConfig
 from mtp_core.engine.static_step import default_batch_sizes
 from mtp_core.sampling import SamplingParams
+from mtp_core.speculative.verifier import Relaxed
 
 torch.set_num_threads(1)
 MAX_TOKENS = 24
@@ -85,7 +86,7 @@ def test_relaxed_static_equals_relaxed_eager(models) -> None:
         eng = make_engine(model, nextn=3, mode="eagle", max_batch_size=4, spec=spec, cuda_graph_config=cg)
         outs.append([s.output_ids for s in run_to_end(eng, prompts, greedy(MAX_TOKENS))])
         if cg is not None:
-            assert eng.graphs.steps[4].relaxed == (5, 0.3) and eng.graphs.num_replays > 0
+            assert eng.graphs.steps[4].relaxed == Relaxed(5, 0.3) and eng.graphs.num_replays > 0
     assert outs[0] == outs[1]
 
 

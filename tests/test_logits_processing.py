@@ -15,7 +15,7 @@ import torch
 
 from conftest import EOS_ID, PROMPTS, greedy, make_engine, run_to_end
 from mtp_core.sampling import SamplingParams, process_logits, target_probs, token_logprobs
-from mtp_core.speculative.verifier import verify
+from mtp_core.speculative.verifier import STRICT, verify
 
 MAX_TOKENS = 20
 ENGINES = [("tiny1", 0, "auto"), ("tiny1", 2, "eagle"), ("tiny1", 3, "eagle"), ("tiny3", 3, "vanilla")]
@@ -64,11 +64,11 @@ def test_a_penalty_rejects_a_draft_in_the_verify_row() -> None:
     so the row emits 2, 1: what plain decoding emits (2, then 1 once the output is [2, 2])."""
     raw = torch.tensor([[[0.0, 3.0, 5.0, 0.0]] * 3])
     drafts = torch.tensor([[2, 2]])
-    assert verify(raw, drafts, [SamplingParams()], [None], [None]).tokens == [[2, 2, 2]]
+    assert verify(raw, drafts, [STRICT], [None]).tokens == [[2, 2, 2]]
     p = SamplingParams(frequency_penalty=1.5)
     processed = process_logits(raw[0], p, [0], [2], [2, 2], [])
     assert processed.tolist() == [[0.0, 3.0, 3.5, 0.0], [0.0, 3.0, 2.0, 0.0], [0.0, 3.0, 0.5, 0.0]]
-    assert verify(processed.unsqueeze(0), drafts, [p], [None], [None]).tokens == [[2, 1]]
+    assert verify(processed.unsqueeze(0), drafts, [STRICT], [None]).tokens == [[2, 1]]
     # plain decoding, one position at a time, makes the same two choices
     assert int(process_logits(raw[0, :1], p, [0], [2], [], []).argmax()) == 2
     assert int(process_logits(raw[0, :1], p, [0], [2, 2], [], []).argmax()) == 1

@@ -22,7 +22,7 @@ from conftest import PROMPTS, greedy, make_engine, reference, run_to_end
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import acceptance, costs, policy as pol
 from mtp_core.speculative.acceptance import expected_tokens
-from mtp_core.speculative.adaptive import DraftPolicy
+from mtp_core.speculative.adaptive import DraftLimits
 from mtp_core.speculative.costs import StepCosts, _estimate, bucket
 from mtp_core.speculative.policy import DraftLenPolicy
 
@@ -116,7 +116,7 @@ def row(s, lag=0):
 
 def policy_with(costs_per_row: dict[int, tuple[list[float], list[float]]], K=3, rules=None, **kw):
     """A cost policy whose tables hold these per-row costs (ms) for the given batch sizes, 3 samples each."""
-    p = DraftLenPolicy(K, rules or DraftPolicy(K), "cost", **kw)
+    p = DraftLenPolicy(K, rules or DraftLimits(K), "cost", **kw)
     for B, (tgt, drf) in costs_per_row.items():
         for k in range(K + 1):
             for _ in range(3):
@@ -161,7 +161,7 @@ def test_drafting_must_beat_no_drafting_by_the_margin():
 
 def test_explicit_rules_bound_the_choice():
     """draft_len_schedule {1: 2}: at most 2 at batch 1 (the policy would take 3); a paused request gets 0."""
-    rules = DraftPolicy(3, {1: 2}, window=2, al_threshold=1.5)
+    rules = DraftLimits(3, {1: 2}, window=2, al_threshold=1.5)
     p = policy_with(COSTS, rules=rules)
     paused = seq([0.9] * 3)
     paused.mtp.pause_steps = 2
@@ -170,7 +170,7 @@ def test_explicit_rules_bound_the_choice():
     s = seq([0.9] * 3)
     s.mtp.draft_len = 1
     assert p.row_limit(s.mtp, 1) == 1 and p.row_limit(s.mtp, 5) == 1
-    fixed = DraftLenPolicy(3, DraftPolicy(3, {1: 3, 4: 1}), "fixed")
+    fixed = DraftLenPolicy(3, DraftLimits(3, {1: 3, 4: 1}), "fixed")
     rows = [row(seq()) for _ in range(4)]
     assert fixed.choose(rows, 4) == [1] * 4 and fixed.choose(rows[:1], 1) == [3]
 
@@ -201,7 +201,7 @@ def test_observe_updates_acceptance_per_position():
     engine-wide estimate."""
     assert (acceptance.ACCEPT_WEIGHT, acceptance.GLOBAL_WEIGHT, acceptance.RELAX, acceptance.PRIOR_ACCEPT,
             acceptance.PRIOR_WEIGHT) == (0.1, 0.05, 0.1, 0.8, 1)
-    p = DraftLenPolicy(3, DraftPolicy(3), "cost")
+    p = DraftLenPolicy(3, DraftLimits(3), "cost")
     s = seq().mtp
     p.observe(s, 3, 1)                   # weight 1/2: .8 -> .9 (accepted), .8 -> .4 (rejected), .8 -> .6 (capped)
     e = [0.9, 0.4]                       # engine-wide, weight 1/2; its position 3 capped by position 2 too
@@ -221,14 +221,14 @@ def test_observe_updates_acceptance_per_position():
     assert s.expected == pytest.approx([1, 1 + a[0], 1 + a[0] + a[0] * a[1], 1 + a[0] + a[0] * a[1] + a[0] * a[1] * a[2]])
     p.observe(s, 0, 0)                                   # nothing verified: nothing learnt
     assert s.accept_est == pytest.approx(a)
-    fixed = DraftLenPolicy(3, DraftPolicy(3), "fixed")
+    fixed = DraftLenPolicy(3, DraftLimits(3), "fixed")
     s2 = seq().mtp
     fixed.observe(s2, 3, 3)
     assert s2.accept_est is None                          # the fixed policy keeps no estimates
 
 
 def test_record_step_measures_only_uniform_settled_decode_steps():
-    p = DraftLenPolicy(2, DraftPolicy(2), "cost")
+    p = DraftLenPolicy(2, DraftLimits(2), "cost")
     p.timer.warmup = 0
     rows = lambda k, n=2, prefill=False: [SimpleNamespace(is_prefill=prefill, token_ids=[0] * (k + 1)) for _ in range(n)]  # noqa: E731
     t = 0.0
@@ -320,7 +320,7 @@ def fixed_rate(B, k, target, draft, a):
 
 def fixed_sim(B, k, target, draft, accept, seed, steps):
     """The same simulated engine and noise with every row at k drafts (the fixed policy)."""
-    sim = SimEngine(DraftLenPolicy(3, DraftPolicy(3, {1: k}), "fixed"), B, target, draft, accept, seed=seed)
+    sim = SimEngine(DraftLenPolicy(3, DraftLimits(3, {1: k}), "fixed"), B, target, draft, accept, seed=seed)
     for s in sim.seqs:
         s.mtp.draft_len = k
     return sim.run(steps)
@@ -334,7 +334,7 @@ def test_the_loop_settles_on_the_best_count(B, a, good, seed):
     steps the policy picks a good count in >= 75% of steps, and its tokens per second over the whole run
     (cold start and re-tries included) are >= 93% of the best fixed count's under the same noise."""
     tgt, drf = per_row(COSTS[B][0]), per_row(COSTS[B][1])
-    p = DraftLenPolicy(3, DraftPolicy(3), "cost")
+    p = DraftLenPolicy(3, DraftLimits(3), "cost")
     sim = SimEngine(p, B, tgt, drf, lambda i: a, seed=seed).run(300)
     late = sim.chosen[40:]
     assert sum(late.count(k) for k in good) >= 0.75 * len(late), sim.chosen
@@ -354,7 +354,7 @@ def test_a_compute_bound_batch_finds_that_drafting_does_not_pay(seed):
     the whole run's tokens per second are >= 90% of fixed k = 0's."""
     tgt = per_row([0.065, 0.13, 0.19, 0.25])
     drf = per_row([0.0, 0.02, 0.04, 0.06])
-    p = DraftLenPolicy(3, DraftPolicy(3), "cost")
+    p = DraftLenPolicy(3, DraftLimits(3), "cost")
     sim = SimEngine(p, 16, tgt, drf, lambda i: 0.9, seed=seed).run(150)
     late = sim.chosen[40:]
     assert late.count(0) >= 0.75 * len(late), sim.chosen
@@ -367,7 +367,7 @@ def test_the_loop_follows_a_change_of_acceptance():
     again: each phase ends up at its best counts, the last one after a return from 0 (with a catch-up)."""
     tgt, drf = per_row(COSTS[1][0]), per_row(COSTS[1][1])
     phases = lambda i: 0.1 if 150 <= i < 200 else 0.9   # noqa: E731
-    p = DraftLenPolicy(3, DraftPolicy(3), "cost")
+    p = DraftLenPolicy(3, DraftLimits(3), "cost")
     sim = SimEngine(p, 1, tgt, drf, phases, seed=3, tokens=2000).run(450)
     c = sim.chosen
     assert sum(1 for k in c[100:150] if k >= 2) >= 40, c[100:150]
@@ -376,7 +376,7 @@ def test_the_loop_follows_a_change_of_acceptance():
 
 
 def test_the_fixed_policy_never_measures():
-    p = DraftLenPolicy(3, DraftPolicy(3), "fixed")
+    p = DraftLenPolicy(3, DraftLimits(3), "fixed")
     sim = SimEngine(p, 2, per_row(COSTS[1][0]), per_row(COSTS[1][1]), lambda i: 0.9).run(20)
     assert set(sim.chosen) == {3} and isinstance(p, pol.FixedPolicy) and not hasattr(p, "timer")
     assert p.summary()["step_costs"] is None
@@ -606,8 +606,8 @@ def test_a_deferred_prompt_catches_up_when_its_request_first_drafts(models, ckpt
 def test_only_the_cost_policy_defers_prompts():
     """Under the cost policy a prompt given no drafts always waits for its MTP forward (the prompt counts as a
     lagging row in the decision); under a fixed count it never does."""
-    assert DraftLenPolicy(3, DraftPolicy(3), "cost").defers_prompts()
-    assert not DraftLenPolicy(3, DraftPolicy(3, {1: 0}), "fixed").defers_prompts()
+    assert DraftLenPolicy(3, DraftLimits(3), "cost").defers_prompts()
+    assert not DraftLenPolicy(3, DraftLimits(3, {1: 0}), "fixed").defers_prompts()
 
 
 def prompt_row(s, length):

@@ -7,18 +7,26 @@ exactly the listed probabilities (logits = log p), so relaxed thresholds can be 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from mtp_core.sampling import SamplingParams
-from mtp_core.speculative.stats import SpecStats
-from mtp_core.engine.static_step import verify_static
+from mtp_core.request.stats import SpecStats
 from mtp_core.speculative.verifier import (
-    relaxed_counted, verify, verify_relaxed_row, verify_sampled_row, verify_strict,
+    STRICT, Acceptance, Relaxed, accept_while_equal, relaxed_counted, verify, verify_relaxed_row, verify_sampled_row,
+    verify_static, verify_strict,
 )
+from mtp_core.structured import Guided
 
 torch.set_num_threads(1)
+
+
+def relaxed_spec(topk: int, delta: float) -> SimpleNamespace:
+    """The speculative config fields relaxed acceptance reads."""
+    return SimpleNamespace(use_relaxed_acceptance_for_thinking=True, relaxed_topk=topk, relaxed_delta=delta)
+
 
 A, B, C, D, E, F, G, H = range(8)
 V = 10
@@ -77,6 +85,47 @@ def test_strict_without_drafts_emits_the_first_target():
     logits = torch.stack([one_hot([G]), one_hot([C])])            # prefill: K = 0
     res = verify_strict(logits, torch.zeros(2, 0, dtype=torch.long))
     assert res.tokens == [[G], [C]]
+
+
+@pytest.mark.parametrize("drafts,targets,emitted", STRICT_TABLE)
+def test_strict_table_every_form(drafts, targets, emitted):
+    """The strict rule's three forms on the same table: accept_while_equal (eager and lazy choices), the rule's row
+    verify, and its flat form through verify_static."""
+    assert accept_while_equal(targets, drafts) == emitted
+    asked: list[int] = []
+
+    def lazy():
+        for t in targets:
+            asked.append(t)
+            yield t
+    assert accept_while_equal(lazy(), drafts) == emitted and asked == emitted    # nothing past the first miss
+    assert STRICT.verify_row(one_hot(targets), torch.tensor(drafts)) == emitted
+    m, out = verify_static(one_hot(targets)[None], drafts_of(*drafts), torch.tensor([False]), None)
+    assert out[0, : int(m) + 1].tolist() == emitted
+
+
+def test_acceptance_picks_one_rule_per_row_and_the_fused_steps_that_verify_it():
+    """Acceptance.rule_for: a grammar first (greedy or sampled), then sampled, then relaxed for a greedy thinking row
+    where it is on, else strict; each rule names the fused steps that verify it inside their call."""
+    acc = Acceptance(Relaxed(3, 0.2), Guided.pair(None))
+
+    def row(temperature: float = 0.0, thinking: bool = False, guided: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(params=SamplingParams(temperature=temperature), in_thinking=thinking,
+                               matcher=object() if guided else None, generator=None)
+    table = [
+        (row(), "strict", ("static", "native")),
+        (row(thinking=True), "relaxed", ("static",)),
+        (row(temperature=0.8), "sampled", ()),
+        (row(temperature=0.8, thinking=True), "sampled", ()),
+        (row(guided=True), "guided", ("native",)),
+        (row(guided=True, thinking=True), "guided", ("native",)),
+        (row(temperature=0.8, guided=True), "guided", ()),
+    ]
+    for seq, name, fused in table:
+        rule = acc.rule_for(seq)
+        assert (rule.name, tuple(rule.fused)) == (name, fused)
+    assert acc.fused("static", [row(), row(thinking=True)]) and not acc.fused("native", [row(), row(thinking=True)])
+    assert Acceptance.of(None, Guided.pair(None)).rule_for(row(thinking=True)) is STRICT      # relaxed off
 
 
 # ---- relaxed ---------------------------------------------------------------------------------
@@ -147,8 +196,8 @@ def test_relaxed_never_accepts_a_zero_probability_draft_the_peers_case():
     assert p[2:].tolist() == [0.0, 0.0, 0.0] and p[0] - 0.95 < 0           # the premise: zeros, negative threshold
     assert counted_set(logits, 3, 0.95) == [[0, 1]] * 3
     assert verify_relaxed_row(logits, drafts, topk=3, delta=0.95) == [0]
-    assert verify(logits[None], drafts[None], [SamplingParams()], [(3, 0.95)], [None]).tokens == [[0]]
-    m, emitted = verify_static(logits[None], drafts[None], torch.tensor([True]), (3, 0.95))
+    assert verify(logits[None], drafts[None], [Relaxed(3, 0.95)], [None]).tokens == [[0]]
+    m, emitted = verify_static(logits[None], drafts[None], torch.tensor([True]), Relaxed(3, 0.95))
     assert m.tolist() == [0] and emitted[0, :1].tolist() == [0]
     # token 1 (p = .269 >= .731 - .95) is a counted candidate: drafts [1, 1] are both accepted
     assert verify_relaxed_row(logits, torch.tensor([1, 1]), topk=3, delta=0.95) == [1, 1, 0]
@@ -176,9 +225,9 @@ def test_relaxed_draft_table_every_implementation(impl, drafts, emitted):
     if impl == "row":
         got = verify_relaxed_row(logits, d, topk=2, delta=0.5)
     elif impl == "dispatch":
-        got = verify(logits[None], d[None], [SamplingParams()], [(2, 0.5)], [None]).tokens[0]
+        got = verify(logits[None], d[None], [Relaxed(2, 0.5)], [None]).tokens[0]
     else:
-        m, out = verify_static(logits[None], d[None], torch.tensor([True]), (2, 0.5))
+        m, out = verify_static(logits[None], d[None], torch.tensor([True]), Relaxed(2, 0.5))
         got = out[0, : int(m) + 1].tolist()
     assert got == emitted
 
@@ -197,7 +246,7 @@ def test_static_verification_equals_the_eager_verifier_on_random_rows():
         drafts = torch.where(take, logits[:, :K].argmax(-1), drafts)
         thinking = torch.tensor([True, False, True])
         topk, delta = 1 + trial % 5, [0.0, 0.3, 0.9][trial % 3]
-        m, out = verify_static(logits, drafts, thinking, (topk, delta))
+        m, out = verify_static(logits, drafts, thinking, Relaxed(topk, delta))
         for b in range(B):
             want = (verify_relaxed_row(logits[b], drafts[b], topk, delta) if thinking[b]
                     else verify_strict(logits[b][None], drafts[b][None]).tokens[0])
@@ -210,7 +259,7 @@ def test_relaxed_writeup_example():
     assert verify_strict(logits[None], drafts[None]).tokens == [[A]]
     # through the dispatcher, relaxed applies only to the row that asks for it
     res = verify(torch.stack([logits, logits]), torch.stack([drafts, drafts]),
-                 [SamplingParams(), SamplingParams()], [(3, 0.2), None], [None, None])
+                 [Relaxed(3, 0.2), STRICT], [None, None])
     assert res.tokens == [[B, C, D, H], [A]]
 
 
@@ -242,8 +291,10 @@ def test_relaxed_with_top1_or_zero_delta_equals_strict():
         assert strict == target[: min(cut, K) + 1].tolist()
         assert verify_relaxed_row(logits, drafts, topk=1, delta=0.9) == strict
         assert verify_relaxed_row(logits, drafts, topk=V, delta=0.0) == strict
-        for relaxed in ((1, 0.9), (V, 0.0)):
-            assert verify(logits[None], drafts[None], [SamplingParams()], [relaxed], [None]).tokens[0] == strict
+        for topk, delta in ((1, 0.9), (V, 0.0)):
+            # strict by definition: the engine never makes the rule, and the rule itself would agree
+            assert Relaxed.of(relaxed_spec(topk, delta)) is None
+            assert verify(logits[None], drafts[None], [Relaxed(topk, delta)], [None]).tokens[0] == strict
 
 
 # ---- sampled (temperature > 0) ---------------------------------------------------------------
@@ -305,9 +356,10 @@ def test_sampled_rows_are_reproducible_with_a_seeded_generator():
 def test_dispatch_samples_rows_with_temperature_and_ignores_relaxed_for_them():
     # row 0 greedy + relaxed, row 1 sampled with T so small that it is effectively greedy
     logits, drafts = from_probs(RELAXED_PROBS), torch.tensor([B, C, D, E])
-    res = verify(torch.stack([logits, logits]), torch.stack([drafts, drafts]),
-                 [SamplingParams(), SamplingParams(temperature=1e-4)], [(3, 0.2), (3, 0.2)],
-                 [None, torch.Generator().manual_seed(0)])
+    seqs = [SimpleNamespace(params=p, generator=g, matcher=None, in_thinking=True) for p, g in
+            ((SamplingParams(), None), (SamplingParams(temperature=1e-4), torch.Generator().manual_seed(0)))]
+    rules = [Acceptance(Relaxed.of(relaxed_spec(3, 0.2))).rule_for(s) for s in seqs]
+    res = verify(torch.stack([logits, logits]), torch.stack([drafts, drafts]), rules, seqs)
     assert res.tokens == [[B, C, D, H], [A]]
 
 
@@ -359,8 +411,8 @@ def test_a_candidate_exactly_on_the_threshold_counts_in_every_implementation():
     assert counted_set(logits[:1], 2, below) == [[A]]
     d = torch.tensor([B])
     assert verify_relaxed_row(logits, d, topk=2, delta=delta) == [B, A]
-    assert verify(logits[None], d[None], [SamplingParams()], [(2, delta)], [None]).tokens == [[B, A]]
-    m, out = verify_static(logits[None], d[None], torch.tensor([True]), (2, delta))
+    assert verify(logits[None], d[None], [Relaxed(2, delta)], [None]).tokens == [[B, A]]
+    m, out = verify_static(logits[None], d[None], torch.tensor([True]), Relaxed(2, delta))
     assert int(m) == 1 and out[0, :2].tolist() == [B, A]
     assert verify_relaxed_row(logits, d, topk=2, delta=below) == [A]
 
@@ -535,7 +587,7 @@ def test_native_rules_equal_process_logits_on_random_requests(seed):
             emitted, processed = native_rules(lg, [[g.randrange(Vr)] + drafts],
                                               [RowLogits(k + 1, rules=rules.at(output, drafts))])
             assert torch.equal(processed, want), (p, prompt, output, drafts)
-            ref = verify(want[None], torch.tensor([drafts], dtype=torch.long).view(1, k), [p], [None], [None])
+            ref = verify(want[None], torch.tensor([drafts], dtype=torch.long).view(1, k), [STRICT], [None])
             assert emitted == ref.tokens
             checked += 1
             accepted += len(emitted[0]) - 1

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable, Optional
 
 from mtp_core.bench.metrics import RequestRecord, summarize_decoding, summarize_performance, summarize_streaming
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.request.stats import SpecStats
 
 
 class ServerError(RuntimeError):

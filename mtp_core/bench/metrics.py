@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.request.stats import SpecStats
 
 PERCENTILES = (50, 90, 95, 99)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 
 from mtp_core.bench.metrics import RequestRecord
 from mtp_core.engine.engine import Engine
-from mtp_core.engine.sequence import Sequence
+from mtp_core.request.sequence import Sequence
 from mtp_core.sampling import SamplingParams
 
 

@@ -84,4 +84,4 @@ class DistributedEngine(Engine):
     def _verify(self, rows: list[ScheduledRow], out: TargetOutput) -> VerifyResult:
         result = super()._verify(rows, out)
         # rank 0's tokens for every rank; logprobs (reported by rank 0 only) are those of rank 0's tokens
-        return VerifyResult(self.par.broadcast_token_lists(result.tokens, self.K + 1), result.logprobs)
+        return VerifyResult(self.par.broadcast_token_lists(result.tokens, self.draft_len + 1), result.logprobs)

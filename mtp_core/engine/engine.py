@@ -8,8 +8,9 @@
     store_drafts(inputs, drafts)     # keep the drafts, drop the KV of rejected drafts, settle the prefix cache
 
 Who does what: scheduler.py places the rows (overlap.py prepares the next step on a worker thread while
-this one drafts); a fused step (static_step.py: a CUDA graph, or one native call on a CPU) runs the forward,
-the verification and the drafting of a batch at once, otherwise model_runner.py and the verifier do;
+this one drafts); the step takes one of its routes (step.py): a fused step (static_step.py: a CUDA graph, or
+one native call on a CPU) runs the forward, the verification and the drafting of a batch at once, otherwise
+the general path's model_runner.py and the verifier do;
 speculative/policy.py chooses the draft counts, speculative/backlog.py runs the drafter. Each request
 records its statistics once, in seq.stats (the commit); Engine.stats sums them when read, the finished
 requests' from the total the scheduler keeps.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Callable, Optional
 
@@ -28,32 +28,39 @@ from mtp_core.config import LLMConfig
 from mtp_core.engine.model_runner import ModelRunner, TargetOutput, verify_rows
 from mtp_core.engine.overlap import OverlapScheduler
 from mtp_core.engine.scheduler import ScheduledRow, Scheduler
-from mtp_core.engine.sequence import Sequence
-from mtp_core.engine.static_step import make_static_steps, run_fused
+from mtp_core.engine.static_step import make_static_steps
+from mtp_core.engine.step import FusedRoute, Route, StepOutput
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, copy_block, plan_num_blocks
 from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
+from mtp_core.request.sequence import Sequence
+from mtp_core.request.stats import SpecStats
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
+from mtp_core.speculative.adaptive import DraftLimits
 from mtp_core.speculative.drafter import DraftInput, Drafter, make_drafter
-from mtp_core.speculative.adaptive import DraftPolicy
 from mtp_core.native.forward_path import serving_forward
 from mtp_core.speculative.policy import DraftLenPolicy
-from mtp_core.speculative.stats import SpecStats
-from mtp_core.speculative.verifier import VerifyResult
-from mtp_core.structured import GrammarBackend
+from mtp_core.speculative.verifier import Acceptance, VerifyResult
+from mtp_core.structured import GrammarBackend, Guided
 
 log = logging.getLogger("mtp.engine")
 
 
-@dataclass
-class StepOutput:
-    """The target half of a step: what the forward and the verification produced."""
-    rows: list[ScheduledRow]
-    verified: VerifyResult                     # emitted tokens per row (accepted drafts, then the bonus)
-    target: Optional[TargetOutput]             # hidden states (and logits) per row; None after a fused step
-    drafts: Optional[dict[int, list[int]]] = None   # a fused step's next drafts, by request id
+class GeneralRoute:
+    """The general path as a route (engine/step.py): it accepts every batch; Engine._target runs the target forward
+    and the verification, the engine's propose stage the drafter."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    def accepts(self, rows: list[ScheduledRow]) -> bool:
+        return True
+
+    def step(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]) -> StepOutput:
+        out, verified = self.engine._target(rows, meta)
+        return StepOutput(rows, verified, out)
 
 
 class Engine:
@@ -64,11 +71,11 @@ class Engine:
         self.eos_token_ids = set(eos_token_ids)
         self.think_ids = think_ids
         spec = cfg.speculative_config
-        self.K = spec.max_draft_len if spec else 0
+        self.draft_len = spec.max_draft_len if spec else 0
         self.max_seq_len = cfg.max_seq_len or model.config.max_position_embeddings
-        self.relaxed = (spec.relaxed_topk, spec.relaxed_delta) if spec and spec.use_relaxed_acceptance_for_thinking \
-            else None
-        if self.relaxed and think_ids is None:
+        # which rule verifies each row (speculative/verifier.py): strict, relaxed where it is on, sampled, guided
+        self.acceptance = Acceptance.of(spec, Guided.pair(think_ids))
+        if spec and spec.use_relaxed_acceptance_for_thinking and think_ids is None:
             raise ValueError("relaxed acceptance for thinking needs <think> and </think> tokens, but the tokenizer "
                              "has neither; drop --use_relaxed_acceptance_for_thinking")
         self.forward_path = serving_forward(model)     # native or torch, for every eager forward of this engine
@@ -77,9 +84,9 @@ class Engine:
         # the KV cache in the model's dtype, or e4m3 (kv_cache_config.dtype fp8: per-tensor scale 1, see
         # kv_cache/mla_cache.py), on every device
         dtype = torch.float8_e4m3fn if kv.dtype == "fp8" else next(model.parameters()).dtype
-        num_layers = len(model.model.layers) if self.K else model.num_main_layers
+        num_layers = len(model.model.layers) if self.draft_len else model.num_main_layers
         num_blocks = plan_num_blocks(model.config, kv, num_layers, dtype, device,
-                                     cfg.max_batch_size * (self.max_seq_len + 2 * self.K))
+                                     cfg.max_batch_size * (self.max_seq_len + 2 * self.draft_len))
         if num_blocks < 1:
             raise ValueError(f"the KV cache pool holds no block of {kv.tokens_per_block} tokens; raise "
                              "kv_cache_config.max_tokens or --kv_cache_fraction")
@@ -87,27 +94,32 @@ class Engine:
         self.blocks = BlockManager(num_blocks, kv.tokens_per_block, enable_reuse=kv.enable_block_reuse)
         self.blocks.copy_block = partial(copy_block, self.caches)
         self.policy = self._make_policy()
-        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, self.K + 1), self.K,
-                                   cfg.enable_chunked_prefill, policy=self.policy)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, self.draft_len + 1),
+                                   self.draft_len, cfg.enable_chunked_prefill, policy=self.policy)
         self.runner = ModelRunner(self.forward_path, self.caches, kv.tokens_per_block, device)
         self.drafter = drafter if drafter is not None else make_drafter(model, self.forward_path, self.caches,
                                                                         kv.tokens_per_block, spec)
-        mode = spec.resolved_mode(model.num_mtp_modules) if self.K and model.num_mtp_modules else None
-        self.scheduler.reuse = ReusePolicy.for_drafting(mode, self.K)
+        mode = spec.resolved_mode(model.num_mtp_modules) if self.draft_len and model.num_mtp_modules else None
+        self.scheduler.reuse = ReusePolicy.for_drafting(mode, self.draft_len)
         self.iter_log = iter_log
         self.num_steps = 0
         overlap = (not cfg.disable_overlap_scheduler and self.drafter is not None
                    and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
         self._overlap = OverlapScheduler(self.scheduler, self.runner) if overlap else None
         self.graphs, self.native_step = make_static_steps(
-            model, self.forward_path, cfg, self.caches, self.blocks, self.K, mode, self.relaxed, self.max_seq_len,
-            fixed_counts=self.policy.policy == "fixed", overlap=overlap, injected_drafter=drafter is not None)
+            model, self.forward_path, cfg, self.caches, self.blocks, self.draft_len, mode, self.acceptance,
+            self.max_seq_len, fixed_counts=self.policy.policy == "fixed", overlap=overlap,
+            injected_drafter=drafter is not None)
         # a static step's padded rows hold one block of the pool for good
         self.pool_tokens = (num_blocks - (self.graphs is not None)) * kv.tokens_per_block
         self.grammar_factory: Optional[Callable[[], GrammarBackend]] = None   # set by LLM (it has the tokenizer)
         self.grammars: Optional[GrammarBackend] = None
         if self.native_step is not None:
             self.native_step.bind(self.eos_token_ids, think_ids)
+        # the routes a step can take (engine/step.py), in order: the fused step where the batch allows, else the
+        # general path, which takes any batch
+        self.routes: list[Route] = [FusedRoute(f) for f in (self.graphs, self.native_step) if f is not None]
+        self.routes.append(GeneralRoute(self))
         # benchmarks only: replaces the proposed drafts to meet a given acceptance (speculative/replay.py)
         self.replay: Optional[Callable[[Sequence, list[int]], list[int]]] = None
 
@@ -120,20 +132,20 @@ class Engine:
         policy = spec.draft_len_policy
         if policy == "cost" and cfg.tensor_parallel_size * cfg.moe_expert_parallel_size > 1:
             log.warning("draft_len_policy cost chooses from this process's measured step times, which ranks do "
-                        "not share; drafting %d per step (fixed)", self.K)
+                        "not share; drafting %d per step (fixed)", self.draft_len)
             policy = "fixed"
         if policy == "cost" and spec.use_relaxed_acceptance_for_thinking:
             log.warning("relaxed acceptance emits accepted drafts, so thinking-phase text depends on how many are "
                         "verified, which draft_len_policy cost chooses from measured timings: it may differ between "
                         "runs; set draft_len_policy: fixed for reproducible relaxed output")
         n = self.model.num_mtp_modules
-        modules = self.K if n and spec.resolved_mode(n) == "vanilla" else 1    # MTP modules one catch-up runs
-        log.info("draft length: %s", f"0..{self.K} per step, chosen from measured step costs (draft_len_policy "
-                 f"cost)" if policy == "cost" else f"{self.K} per step (draft_len_policy fixed)")
+        modules = self.draft_len if n and spec.resolved_mode(n) == "vanilla" else 1    # MTP modules one catch-up runs
+        log.info("draft length: %s", f"0..{self.draft_len} per step, chosen from measured step costs (draft_len_policy "
+                 f"cost)" if policy == "cost" else f"{self.draft_len} per step (draft_len_policy fixed)")
         # on a CPU the step's cost is the engine thread's CPU time: a shared machine's other load and idle
         # gaps between requests stay out of it; a GPU's work runs beside the thread, so wall time there
         clock = time.thread_time if torch.device(cfg.device).type == "cpu" else time.perf_counter
-        return DraftLenPolicy(self.K, DraftPolicy.from_spec(spec, cfg.max_batch_size), policy,
+        return DraftLenPolicy(self.draft_len, DraftLimits.from_spec(spec, cfg.max_batch_size), policy,
                               modules / max(self.model.num_main_layers, 1), clock)
 
     # ---- requests ------------------------------------------------------------------------
@@ -144,7 +156,7 @@ class Engine:
         if len(prompt_ids) >= self.max_seq_len:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens but max_seq_len is {self.max_seq_len}; "
                              "shorten the prompt or raise --max_seq_len")
-        need = len(prompt_ids) + 1 + 2 * self.K
+        need = len(prompt_ids) + 1 + 2 * self.draft_len
         if need > self.pool_tokens:
             raise ValueError(f"the prompt needs {need} KV slots but the whole KV cache pool holds "
                              f"{self.pool_tokens}; raise kv_cache_config.max_tokens or --kv_cache_fraction")
@@ -226,17 +238,12 @@ class Engine:
         return rows, meta
 
     def _forward(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]) -> StepOutput:
-        """The target forward and verification: the fused step where the batch allows (it drafts too), else the
-        general path. Greedy requests whose logits the engine must see (logprobs, penalties, logit_bias,
+        """The target forward and verification by the first route that accepts the batch (engine/step.py): the fused
+        step where the batch allows (it drafts too), else the general path. Greedy requests whose logits the engine must see (logprobs, penalties, logit_bias,
         min_tokens, grammars) stay on the native CPU step, which prepares what they need along their drafts; the
         CUDA-graph step leaves them to the general path. The forward is batch-invariant, so every row's tokens and
         logprobs are the same on every path."""
-        fused = run_fused(self.graphs or self.native_step, rows)
-        if fused is not None:
-            verified, drafts = fused
-            return StepOutput(rows, verified, None, {r.seq.request_id: d for r, d in zip(rows, drafts)})
-        out, verified = self._target(rows, meta)
-        return StepOutput(rows, verified, out)
+        return next(r for r in self.routes if r.accepts(rows)).step(rows, meta)
 
     def _target(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]
                 ) -> tuple[TargetOutput, VerifyResult]:
@@ -249,7 +256,7 @@ class Engine:
         return out, self._verify(rows, out)
 
     def _verify(self, rows: list[ScheduledRow], out: TargetOutput) -> VerifyResult:
-        return verify_rows(rows, out, self.eos_token_ids, self.relaxed, self.think_ids, self.grammars)
+        return verify_rows(rows, out, self.eos_token_ids, self.acceptance)
 
     def _commit(self, step: StepOutput) -> list[DraftInput]:
         """Appends the emitted tokens and records each request's statistics; the draft inputs carry the target

@@ -11,9 +11,8 @@ import torch
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import AttentionMetadata
 from mtp_core.model.forward_path import ForwardPath
-from mtp_core.sampling import SamplingParams, process_logits, token_logprobs
-from mtp_core.speculative.verifier import VerifyResult, verify
-from mtp_core.structured import GrammarBackend, verify_guided_row
+from mtp_core.sampling import process_logits, token_logprobs
+from mtp_core.speculative.verifier import Acceptance, VerifyResult, verify
 
 
 @dataclass
@@ -54,14 +53,10 @@ class ModelRunner:
         return TargetOutput(per_row, logits, prompt_logits)
 
 
-_STRICT = SamplingParams()
-
-
-def verify_rows(rows: list[ScheduledRow], out: TargetOutput, eos_token_ids: set[int],
-                relaxed: Optional[tuple[int, float]], think_ids: Optional[tuple[int, int]],
-                grammars: Optional[GrammarBackend]) -> VerifyResult:
-    """Emitted tokens per row (and logprobs where asked) from the target's logits; `relaxed` applies to
-    thinking rows."""
+def verify_rows(rows: list[ScheduledRow], out: TargetOutput, eos_token_ids: set[int], acceptance: Acceptance
+                ) -> VerifyResult:
+    """Emitted tokens per row (and logprobs where asked) from the target's logits, each row by its acceptance
+    rule (acceptance.rule_for)."""
     tokens: list[list[int]] = [[] for _ in rows]
     logprobs: Optional[list] = None
     # rows may carry different numbers of drafts (adaptive draft length): one verify call per count
@@ -86,16 +81,7 @@ def verify_rows(rows: list[ScheduledRow], out: TargetOutput, eos_token_ids: set[
                                                                else sorted(eos_token_ids))
                     logits[b] = process_logits(logits[b], s.params, s.prompt_ids, s.output_ids,
                                                rows[i].token_ids[1:] if not rows[i].is_prefill else [], stop_ids)
-        # (a guided row is verified below; here it is a cheap strict row that draws nothing from its generator)
-        res = verify(logits, drafts, [s.params if s.matcher is None else _STRICT for s in seqs],
-                     [relaxed if s.in_thinking and s.matcher is None else None for s in seqs],
-                     [s.generator if s.matcher is None else None for s in seqs])
-        for b, (i, s) in enumerate(zip(group, seqs)):
-            if s.matcher is not None:      # the grammar's mask at every position, drafts accepted in order
-                after_think = s.params.guided_after_think and think_ids is not None
-                res.tokens[b] = verify_guided_row(grammars, s.matcher, logits[b], drafts[b].tolist(), s.params,
-                                                  s.generator, after_think and s.in_thinking,
-                                                  think_ids if after_think else None)
+        res = verify(logits, drafts, [acceptance.rule_for(s) for s in seqs], seqs)
         for i, t in zip(group, res.tokens):
             tokens[i] = t
             lp = rows[i].seq.params.logprobs

@@ -35,10 +35,10 @@ import torch
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.native.native_decode import NativeDecoder
+from mtp_core.request.mtp_state import MTPState
 from mtp_core.sampling import PenaltyRules
 from mtp_core.speculative import backlog
-from mtp_core.speculative.mtp_state import MTPState
-from mtp_core.speculative.verifier import VerifyResult
+from mtp_core.speculative.verifier import Acceptance, VerifyResult
 from mtp_core.structured import guided_masks
 
 
@@ -53,14 +53,14 @@ def _i32(values: list[int]) -> torch.Tensor:
 
 class NativeStep:
     def __init__(self, model: DeepseekV3ForCausalLM, native: NativeDecoder, caches: list[torch.Tensor], K: int,
-                 relaxed: Optional[tuple[int, float]], fixed_counts: bool, vanilla: bool = False,
+                 acceptance: Acceptance, fixed_counts: bool, vanilla: bool = False,
                  confidence: float = 0.0) -> None:
-        self.caches, self.K = caches, K
+        self.caches, self.draft_len = caches, K
         self.native = native
         self.hidden_size = model.config.hidden_size
         self.mtp_layer = model.num_main_layers if K else -1  # the first MTP module; -1: no drafting (nextn = 0)
         self.vanilla = vanilla and K > 1                     # modules 0..K-1, each over the row's window
-        self.relaxed_on = relaxed is not None and relaxed[0] > 1 and relaxed[1] > 0
+        self.acceptance = acceptance                         # which rows the call verifies (strict, guided)
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
         self.confidence = confidence                         # the confidence gate's threshold (0: off)
         self.num_replays = 0                                 # steps run whole by run()
@@ -82,11 +82,11 @@ class NativeStep:
         return self
 
     def can_verify(self, rows: list[ScheduledRow]) -> bool:
-        """The target forward and strict verification of this batch fit one call (target()): greedy decode rows
-        (with their logits processing, grammars and logprobs), none relaxed; whatever their MTP state (the drafter
-        runs afterwards, as usual)."""
-        return bool(rows) and all(not r.is_prefill and r.seq.params.greedy and len(r.token_ids) <= self.K + 1
-                                  and not (self.relaxed_on and r.seq.in_thinking) for r in rows)
+        """The target forward and verification of this batch fit one call (target()): decode rows whose acceptance
+        rule the call verifies (strict and greedy guided rows, with their logits processing and logprobs; not
+        sampled or relaxed ones); whatever their MTP state (the drafter runs afterwards, as usual)."""
+        return bool(rows) and all(not r.is_prefill and len(r.token_ids) <= self.draft_len + 1 for r in rows) \
+            and self.acceptance.fused("native", [r.seq for r in rows])
 
     def target(self, rows: list[ScheduledRow]) -> tuple[VerifyResult, list[torch.Tensor]]:
         """The general step's runner.execute + verify in one call, for can_verify(rows): (emitted tokens per row and
@@ -114,15 +114,15 @@ class NativeStep:
 
     # ---- the rows' MTP state ---------------------------------------------------------------
     def _limit(self, r: ScheduledRow) -> int:
-        if not self.K or r.seq.mtp.is_off:
+        if not self.draft_len or r.seq.mtp.is_off:
             return 0
-        return self.K if self.fixed_counts else min(self.K, max(0, r.seq.mtp.draft_len))
+        return self.draft_len if self.fixed_counts else min(self.draft_len, max(0, r.seq.mtp.draft_len))
 
     def _window_len(self, r: ScheduledRow) -> int:
         """Stored positions before r.start the row's MTP forwards re-read: the lagging ones, and for Vanilla at
         least min(K - 1, start) (module 1's window reaches that far back)."""
         lag = r.start - r.seq.mtp.num_valid
-        return max(lag, min(self.K - 1, r.start)) if self.vanilla else lag
+        return max(lag, min(self.draft_len - 1, r.start)) if self.vanilla else lag
 
     def _stored(self, mtp: MTPState) -> int:
         """Positions before the row's valid length whose main hidden states the engine keeps (window, pending)."""
@@ -157,20 +157,21 @@ class NativeStep:
         """After run(): rows that drafted have MTP caches up to their new valid length (Vanilla: and a new window);
         the others lag, keeping their new positions' hidden states (copies unless every row fed one token: a view
         would keep the whole step's states alive)."""
-        if not self.K:
+        if not self.draft_len:
             return
         views_ok = hidden.shape[0] == len(rows)
-        K, first = self.K, 0                 # first: the row's first position in hidden [T, H]
+        K, first = self.draft_len, 0                 # first: the row's first position in hidden [T, H]
         for b, (r, row, n) in enumerate(zip(rows, out, limits)):
             mtp, valid = r.seq.mtp, r.start + row[0]
             first, at = first + len(r.token_ids), first
             if n:
+                window = None
                 if self.vanilla:      # the main hidden states of its last min(K, window) valid positions
                     kept = min(K, valid - max(min(valid - K, mtp.num_valid), 0))
-                    mtp.window_hidden = windows[b, K - kept:]
-                mtp.num_valid, mtp.pending = valid, None
-            elif not mtp.is_off:
-                backlog.hold(mtp, hidden[at:at + row[0]], valid, copy=not views_ok)
+                    window = windows[b, K - kept:]
+                backlog.settle(mtp, valid, True, window=window)
+            else:
+                backlog.settle(mtp, valid, False, hidden[at:at + row[0]], copy=not views_ok)
 
     # ---- rows that need their logits --------------------------------------------------------
     def _logits_args(self, rows: list[ScheduledRow]) -> Optional[dict]:
@@ -210,7 +211,7 @@ class NativeStep:
         tables = _i32([b for r in rows for b in r.seq.block_table + [-1] * (width - len(r.seq.block_table))]
                       ).view(len(rows), width)
         vanilla = self.vanilla and mtp_layer >= 0
-        chain = [min(self.K - 1, n) if vanilla else max(n - 1, 0) for n in limits]
+        chain = [min(self.draft_len - 1, n) if vanilla else max(n - 1, 0) for n in limits]
         ends = [r.start + len(r.token_ids) + c for r, c in zip(rows, chain)]
         nd = self.native
         if max(ends) > nd.rope_len:
@@ -221,7 +222,7 @@ class NativeStep:
         logits = self._logits_args(rows)
         out, hidden, windows, lp_vals, lp_ids = nd.step_op(
             nd.handle, _i64(ids), _i32(qs), _i64([r.start for r in rows]), tables, _i32(limits),
-            self.caches, nd.rope_cos, nd.rope_sin, mtp_layer, self.K if vanilla else 1, *window,
+            self.caches, nd.rope_cos, nd.rope_sin, mtp_layer, self.draft_len if vanilla else 1, *window,
             self.confidence if drafting else 0.0, **(logits or {}))
         out = out.tolist()
         top = logits.get("top_logprobs") if logits else None

@@ -20,11 +20,11 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from mtp_core.engine.sequence import Sequence, Status
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.prefix_cache import PrefixHit, ReusePolicy, extend_digests
+from mtp_core.request.sequence import Sequence, Status
+from mtp_core.request.stats import SpecStats
 from mtp_core.speculative.policy import DraftLenPolicy
-from mtp_core.speculative.stats import SpecStats
 
 log = logging.getLogger("mtp.scheduler")
 
@@ -54,7 +54,7 @@ class Scheduler:
         self.policy = policy if policy is not None else DraftLenPolicy(num_draft_tokens, policy="fixed")
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
-        self.K = num_draft_tokens
+        self.draft_len = num_draft_tokens
         self.chunked = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -68,7 +68,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def overshoot(self) -> int:
-        return max(self.K - 1, 0)
+        return max(self.draft_len - 1, 0)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self, allow_preempt: bool = True, placeholder: bool = False) -> list[ScheduledRow]:
@@ -83,7 +83,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.is_prefilling or seq not in self.running:
                 continue
-            limit = self.policy.row_limit(seq.mtp, in_flight) if self.K else 0
+            limit = self.policy.row_limit(seq.mtp, in_flight) if self.draft_len else 0
             drafts = [0] * limit if placeholder else seq.mtp.drafts[:limit]
             if budget < len(drafts) + 1:
                 break

@@ -5,11 +5,11 @@ batch size; run eagerly over the same buffers without CUDA), and its CPU twin na
 whole step as one native call, mtp_core::mtp_step). Both answer `step_for(rows)`: a step that can run this
 batch, or None (the batch then takes the engine's general path); its `run(rows)` returns (the verification:
 emitted tokens per row and the logprobs asked for, next drafts per row) and brings every row's MTP state
-(seq.mtp) up to date; `num_replays` counts
+(seq.mtp) up to date with backlog.settle, as the general path does; `num_replays` counts
 the steps run whole. A fused step drafts before the draft-length policy has seen what it emits, so it
 drafts a count of its own for every row (K, or the count the policy chose last); the engine cuts each
-row's drafts to the policy's choice once the step is committed. `make_static_steps` builds them,
-`run_fused` is the engine's one call.
+row's drafts to the policy's choice once the step is committed. `make_static_steps` builds them; the
+engine takes them as routes (engine/step.py: FusedRoute).
 
 The static step: a pure-decode batch of B rows, each feeding [t, d_1..d_K] at positions start..start+K, runs as one
 function of fixed-size buffers, with no host sync anywhere inside:
@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -53,7 +54,8 @@ from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.forward_path import ForwardPath
 from mtp_core.native.native_decode import NativeDecoder
-from mtp_core.speculative.verifier import VerifyResult, relaxed_counted
+from mtp_core.speculative import backlog
+from mtp_core.speculative.verifier import Acceptance, Relaxed, VerifyResult, verify_static
 
 log = logging.getLogger("mtp.graphs")
 
@@ -79,24 +81,31 @@ def static_step_unsupported(model: DeepseekV3ForCausalLM, mode: Optional[str], K
     return None
 
 
-def verify_static(logits: torch.Tensor, drafts: torch.Tensor, thinking: torch.Tensor,
-                  relaxed: Optional[tuple[int, float]], offsets: Optional[torch.Tensor] = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The static step's verification, with no host sync; the same contract as verifier.py (strict, and
-    relaxed for thinking rows through the same `relaxed_counted`). logits [B, K+1, V], drafts [B, K],
-    thinking [B] bool -> (m accepted drafts [B], emitted [B, K+1]: d_1..d_m, the target's token at m,
-    then the target's choices past m, which are never emitted, only fed to forward 1's throwaway entries)."""
-    target = logits.argmax(-1)                                                  # [B, K+1]
-    match = drafts == target[:, :-1]                                            # [B, K]
-    if relaxed is not None:
-        counted = relaxed_counted(logits[:, :-1], *relaxed)                     # [B, K, V]
-        relaxed_match = counted.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)    # [B, K]
-        match = torch.where(thinking.unsqueeze(-1), relaxed_match, match)
-    m = match.int().cumprod(dim=-1).sum(-1)                                     # [B]
-    if offsets is None:
-        offsets = torch.arange(logits.shape[1], device=logits.device)
-    drafts_padded = torch.cat([drafts, target[:, -1:]], dim=1)                 # [B, K+1]
-    return m, torch.where(offsets[None, :] < m[:, None], drafts_padded, target)
+@dataclass
+class StaticInputs:
+    """What the static computation reads: the batch (loaded each step) and two index constants."""
+    input_ids: torch.Tensor      # [B, K+1] each row's [t, d_1..d_K]
+    start: torch.Tensor          # [B] the position of t
+    block_tables: torch.Tensor   # [B, max_blocks] int32 (scratch rows: the scratch block)
+    thinking: torch.Tensor       # [B] bool: relaxed acceptance applies
+    offsets: torch.Tensor        # [K+1] 0..K
+    rows: torch.Tensor           # [B] 0..B-1
+
+
+@dataclass
+class StaticOutputs:
+    """What it writes, read back with one device-to-host copy."""
+    emitted: torch.Tensor        # [B, K+1] the emitted tokens, then the target's choices past them
+    num_emitted: torch.Tensor    # [B]
+    drafts: torch.Tensor         # [B, K] the next drafts
+
+
+class Staging(NamedTuple):
+    """load()'s one host-to-device copy: every input in one int64 host buffer (pinned on CUDA), sent with one
+    asynchronous copy; the device then spreads it over the input buffers (int32 / bool casts included)."""
+    layout: tuple[int, int, int, int]    # ids, start, tables, thinking
+    host: torch.Tensor
+    staged: torch.Tensor
 
 
 class StaticDecodeStep:
@@ -104,66 +113,62 @@ class StaticDecodeStep:
 
     def __init__(self, model: DeepseekV3ForCausalLM, head: ForwardPath, caches: list[torch.Tensor], K: int,
                  batch_size: int, max_blocks: int, tokens_per_block: int, scratch_block: int,
-                 relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
+                 relaxed: Optional[Relaxed], device: torch.device) -> None:
+        # relaxed: the rule of thinking rows (None: strict for every row).
         # head: the engine's forward path, whose LM head the step uses (the torch one on a GPU; on a CPU with the
         # native decoder its batch-invariant head, so the static step scores tokens as the eager steps do)
-        self.model, self.head, self.caches, self.K, self.B = model, head, caches, K, batch_size
+        self.model, self.head, self.caches, self.draft_len, self.B = model, head, caches, K, batch_size
         self.bs, self.scratch, self.relaxed = tokens_per_block, scratch_block, relaxed
         B, Q = batch_size, K + 1
-        # inputs
-        self.input_ids = torch.zeros(B, Q, dtype=torch.long, device=device)
-        self.start = torch.zeros(B, dtype=torch.long, device=device)
-        self.block_tables = torch.full((B, max_blocks), scratch_block, dtype=torch.int32, device=device)
-        self.thinking = torch.zeros(B, dtype=torch.bool, device=device)
-        self.offsets = torch.arange(Q, device=device)
-        self.rows = torch.arange(B, device=device)
-        # outputs
-        self.emitted = torch.zeros(B, Q, dtype=torch.long, device=device)
-        self.num_emitted = torch.ones(B, dtype=torch.long, device=device)
-        self.drafts = torch.zeros(B, K, dtype=torch.long, device=device)
+        self.inputs = StaticInputs(torch.zeros(B, Q, dtype=torch.long, device=device),
+                                   torch.zeros(B, dtype=torch.long, device=device),
+                                   torch.full((B, max_blocks), scratch_block, dtype=torch.int32, device=device),
+                                   torch.zeros(B, dtype=torch.bool, device=device),
+                                   torch.arange(Q, device=device), torch.arange(B, device=device))
+        self.outputs = StaticOutputs(torch.zeros(B, Q, dtype=torch.long, device=device),
+                                     torch.ones(B, dtype=torch.long, device=device),
+                                     torch.zeros(B, K, dtype=torch.long, device=device))
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
-        # load() stages every input in one int64 host buffer (pinned on CUDA) and sends it with one
-        # asynchronous copy; the device then spreads it over the input buffers (int32 / bool casts included).
-        self._layout = (B * Q, B, B * max_blocks, B)                             # ids, start, tables, thinking
-        total = sum(self._layout)
+        layout = (B * Q, B, B * max_blocks, B)
         pinned = device.type == "cuda"
-        self._host = torch.zeros(total, dtype=torch.long, pin_memory=pinned)
-        self._staged = torch.zeros(total, dtype=torch.long, device=device)
+        self.staging = Staging(layout, torch.zeros(sum(layout), dtype=torch.long, pin_memory=pinned),
+                               torch.zeros(sum(layout), dtype=torch.long, device=device))
 
     # ---- the static computation -------------------------------------------------------------
     def _meta(self, positions: torch.Tensor) -> AttentionMetadata:
         """positions [B, Q] -> metadata of a uniform step (slots looked up in the block tables on device)."""
-        tables = self.block_tables.long()
-        slots = tables.gather(1, positions // self.bs) * self.bs + positions % self.bs
-        return AttentionMetadata.uniform(positions.flatten(), slots.flatten(), self.block_tables,
+        tables = self.inputs.block_tables
+        slots = tables.long().gather(1, positions // self.bs) * self.bs + positions % self.bs
+        return AttentionMetadata.uniform(positions.flatten(), slots.flatten(), tables,
                                          (positions[:, -1] + 1).to(torch.int32))
 
     def _verify(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return verify_static(logits, self.input_ids[:, 1:], self.thinking, self.relaxed, self.offsets)
+        i = self.inputs
+        return verify_static(logits, i.input_ids[:, 1:], i.thinking, self.relaxed, i.offsets)
 
     def forward(self) -> None:
         """The step over the input buffers: the model's torch modules over device-only metadata (every MoE dense:
         AttentionMetadata.static_shapes) and the engine's LM head, so a CUDA graph can capture it."""
-        model, caches, K = self.model, self.caches, self.K
-        positions = self.start[:, None] + self.offsets                          # [B, K+1]
+        model, caches, K, i, o = self.model, self.caches, self.draft_len, self.inputs, self.outputs
+        positions = i.start[:, None] + i.offsets                                # [B, K+1]
         meta = self._meta(positions)
-        hidden = model(self.input_ids.flatten(), meta, caches)                  # [B*(K+1), H]
+        hidden = model(i.input_ids.flatten(), meta, caches)                     # [B*(K+1), H]
         logits = self.head.logits(hidden).view(self.B, K + 1, -1)
         m, emitted = self._verify(logits)
-        self.emitted.copy_(emitted)
-        self.num_emitted.copy_(m + 1)
+        o.emitted.copy_(emitted)
+        o.num_emitted.copy_(m + 1)
         if not K:
             return
         # Eagle forward 1 over every position: (x_{q+1}, h_q) entries, the valid ones are q <= start+m
         g = model.mtp_forward(0, emitted.flatten(), hidden, meta, caches).view(self.B, K + 1, -1)
-        g = g[self.rows, m]                                                     # [B, H] at q = start+m
+        g = g[i.rows, m]                                                        # [B, H] at q = start+m
         d = self.head.logits(g).argmax(-1)
-        self.drafts[:, 0].copy_(d)
+        o.drafts[:, 0].copy_(d)
         for j in range(1, K):
-            pos = (self.start + m + j)[:, None]                                 # [B, 1]
+            pos = (i.start + m + j)[:, None]                                    # [B, 1]
             g = model.mtp_forward(0, d, g, self._meta(pos), caches)
             d = self.head.logits(g).argmax(-1)
-            self.drafts[:, j].copy_(d)
+            o.drafts[:, j].copy_(d)
 
     # ---- host side ---------------------------------------------------------------------------
     def load(self, rows: list[ScheduledRow]) -> None:
@@ -171,8 +176,9 @@ class StaticDecodeStep:
 
         One host-to-device copy per step, from a pinned buffer and non-blocking: the previous step's
         staging buffer is free again because run() ended with a device-to-host copy (a stream sync)."""
-        Q, max_blocks = self.K + 1, self.block_tables.shape[1]
-        n_ids, n_start, n_tables, n_think = self._layout
+        i, staging = self.inputs, self.staging
+        Q, max_blocks = self.draft_len + 1, i.block_tables.shape[1]
+        n_ids, n_start, n_tables, n_think = staging.layout
         flat = [0] * (n_ids + n_start) + [self.scratch] * n_tables + [0] * n_think     # scratch rows by default
         o_start, o_tables, o_think = n_ids, n_ids + n_start, n_ids + n_start + n_tables
         for b, r in enumerate(rows):
@@ -184,13 +190,13 @@ class StaticDecodeStep:
             flat[o_start + b] = r.start
             flat[o_tables + b * max_blocks:o_tables + b * max_blocks + len(table)] = table
             flat[o_think + b] = int(r.seq.in_thinking)
-        self._host.copy_(torch.tensor(flat, dtype=torch.long))
-        self._staged.copy_(self._host, non_blocking=True)
-        parts = self._staged.split(self._layout)
-        self.input_ids.copy_(parts[0].view(self.B, Q))
-        self.start.copy_(parts[1])
-        self.block_tables.copy_(parts[2].view(self.B, max_blocks))     # int64 -> int32 on the device
-        self.thinking.copy_(parts[3] != 0)
+        staging.host.copy_(torch.tensor(flat, dtype=torch.long))
+        staging.staged.copy_(staging.host, non_blocking=True)
+        parts = staging.staged.split(staging.layout)
+        i.input_ids.copy_(parts[0].view(self.B, Q))
+        i.start.copy_(parts[1])
+        i.block_tables.copy_(parts[2].view(self.B, max_blocks))        # int64 -> int32 on the device
+        i.thinking.copy_(parts[3] != 0)
 
     def capture(self, pool=None) -> None:
         """CUDA only: two warm-up runs on a side stream, then capture (the buffers hold scratch rows, so
@@ -213,10 +219,11 @@ class StaticDecodeStep:
         else:
             with torch.inference_mode():
                 self.forward()
-        K = self.K
-        out = torch.cat([self.emitted, self.num_emitted[:, None], self.drafts], dim=1)[: len(rows)].cpu().tolist()
+        K = self.draft_len
+        o = self.outputs
+        out = torch.cat([o.emitted, o.num_emitted[:, None], o.drafts], dim=1)[: len(rows)].cpu().tolist()
         for r, row in zip(rows, out):
-            r.seq.mtp.num_valid = r.start + row[K + 1]   # every row's MTP caches cover its new valid positions
+            backlog.settle(r.seq.mtp, r.start + row[K + 1], True)   # every row drafted: MTP caches up to date
         return VerifyResult([row[: row[K + 1]] for row in out]), [row[K + 2:] for row in out]
 
 
@@ -225,10 +232,10 @@ class GraphRunner:
 
     def __init__(self, model: DeepseekV3ForCausalLM, head: ForwardPath, caches: list[torch.Tensor], K: int,
                  batch_sizes: list[int], enable_padding: bool, max_blocks: int, tokens_per_block: int,
-                 scratch_block: int, relaxed: Optional[tuple[int, float]], device: torch.device) -> None:
-        self.K, self.enable_padding = K, enable_padding
+                 scratch_block: int, acceptance: Acceptance, device: torch.device) -> None:
+        self.draft_len, self.enable_padding, self.acceptance = K, enable_padding, acceptance
         self.steps = {b: StaticDecodeStep(model, head, caches, K, b, max_blocks, tokens_per_block, scratch_block,
-                                          relaxed, device) for b in sorted(set(batch_sizes))}
+                                          acceptance.relaxed, device) for b in sorted(set(batch_sizes))}
         self.num_replays = 0
         if device.type == "cuda":
             pool = None
@@ -242,9 +249,10 @@ class GraphRunner:
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional[StaticDecodeStep]:
         """The static step that can run this batch, or None (it then runs eagerly)."""
-        if not rows or any(r.is_prefill or not r.seq.params.greedy or len(r.token_ids) != self.K + 1
-                           or (self.K and r.seq.mtp.num_valid != r.start) or r.seq.params.needs_logits
-                           for r in rows):
+        K = self.draft_len
+        if not rows or any(r.is_prefill or len(r.token_ids) != K + 1 or (K and r.seq.mtp.num_valid != r.start)
+                           or r.seq.params.needs_logits for r in rows) \
+                or not self.acceptance.fused("static", [r.seq for r in rows]):
             return None
         fits = [b for b in self.steps if b >= len(rows) and (b == len(rows) or self.enable_padding)]
         return self.steps[min(fits)] if fits else None
@@ -252,7 +260,7 @@ class GraphRunner:
 
 def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMConfig, caches: list[torch.Tensor],
                       blocks: BlockManager,
-                      K: int, mode: Optional[str], relaxed: Optional[tuple[int, float]], max_seq_len: int,
+                      K: int, mode: Optional[str], acceptance: Acceptance, max_seq_len: int,
                       fixed_counts: bool, overlap: bool, injected_drafter: bool
                       ) -> tuple[Optional[GraphRunner], Optional[NativeStep]]:
     """The engine's fused steps: the static (CUDA-graph) step for each batch size of cuda_graph_config, or
@@ -272,23 +280,10 @@ def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMC
                  if b <= cfg.max_batch_size]
         graphs = GraphRunner(model, path, caches, K, sizes, cg.enable_padding, blocks.blocks_for(max_seq_len + 2 * K),
                              blocks.tokens_per_block, scratch[0],
-                             relaxed if relaxed and relaxed[0] > 1 and relaxed[1] > 0 else None,
-                             torch.device(cfg.device))
+                             acceptance, torch.device(cfg.device))
     use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
-    native = (NativeStep(model, path, caches, K, relaxed, fixed_counts=fixed_counts, vanilla=mode == "vanilla",
+    native = (NativeStep(model, path, caches, K, acceptance, fixed_counts=fixed_counts, vanilla=mode == "vanilla",
                          confidence=confidence)
               if use_native_step and graphs is None and not overlap and not injected_drafter
               and isinstance(path, NativeDecoder) else None)
     return graphs, native
-
-
-def run_fused(fused: Optional[Union[GraphRunner, NativeStep]], rows: list[ScheduledRow]
-              ) -> Optional[tuple[VerifyResult, list[list[int]]]]:
-    """(emitted tokens per row and the logprobs asked for, next drafts per row) when the fused step can run this
-    batch, else None."""
-    step = fused.step_for(rows) if fused is not None else None
-    if step is None:
-        return None
-    out = step.run(rows)
-    fused.num_replays += 1
-    return out

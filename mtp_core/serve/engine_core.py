@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any, Callable, Optional
 
-from mtp_core.engine.sequence import Sequence, Status
+from mtp_core.request.sequence import Sequence, Status
 from mtp_core.serve.messages import (Abort, Add, Command, EngineStats, Output, Outputs, PREFIX_FIELDS, Ready,
                                      Shutdown)
 
@@ -48,7 +48,8 @@ class EngineCore:
     def ready(self, server_info: dict) -> Ready:
         eng = self.engine
         return Ready(max_seq_len=eng.max_seq_len, pool_tokens=eng.pool_tokens,
-                     vocab_size=self.llm.model.config.vocab_size, num_draft_tokens=eng.K, server_info=server_info)
+                     vocab_size=self.llm.model.config.vocab_size, num_draft_tokens=eng.draft_len,
+                     server_info=server_info)
 
     # ---- commands ----------------------------------------------------------------------------
     def apply(self, cmd: Command) -> None:

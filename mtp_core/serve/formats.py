@@ -10,7 +10,7 @@ import json
 import uuid
 from typing import Any, Optional
 
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.request.stats import SpecStats
 
 
 def chat_logprobs(entries: list) -> dict:

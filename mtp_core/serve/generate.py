@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
 
 from mtp_core.chat_format import TOOL_MARKUP
+from mtp_core.request.stats import SpecStats
 from mtp_core.serve.engine_core import SHUTDOWN_MESSAGE
 from mtp_core.serve.formats import call_id, forced_calls, spec_stats, sum_stats, usage
 from mtp_core.serve.messages import Add
@@ -29,7 +30,6 @@ from mtp_core.serve.params import Spec
 from mtp_core.serve.protocol import APIError
 from mtp_core.serve.state import ServerState
 from mtp_core.serve.tool_parser import ParseDelta, ToolCallParser
-from mtp_core.speculative.stats import SpecStats
 
 DISCONNECTED = "client disconnected"
 

@@ -16,7 +16,7 @@ from typing import Any, Optional, Union
 import msgspec
 
 from mtp_core.sampling import SamplingParams
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.request.stats import SpecStats
 
 
 class Add(msgspec.Struct, tag="add", array_like=True):

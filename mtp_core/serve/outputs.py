@@ -20,12 +20,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from mtp_core.request.stats import SpecStats
 from mtp_core.serve.engine_client import EngineGone
 from mtp_core.serve.engine_core import STEP_BUCKETS_S
 from mtp_core.serve.messages import Abort, EngineStats, Output, Outputs
 from mtp_core.serve.metrics import RequestMetrics
 from mtp_core.serve.text import OutputText
-from mtp_core.speculative.stats import SpecStats
 
 log = logging.getLogger("mtp.serve")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mtp_core.speculative.mtp_state import MTPState
+from mtp_core.request.mtp_state import MTPState
 
 ACCEPT_WEIGHT = 0.1        # weight of a request's newest observation in its acceptance estimate
 GLOBAL_WEIGHT = 0.05       # the same for the engine-wide estimate new requests start from
@@ -45,7 +45,7 @@ def expected_tokens(accept: list[float], k: int) -> list[float]:
     return out
 
 
-def relaxed(accept: list[float], toward: list[float], steps: int, rate: float) -> list[float]:
+def decayed_toward(accept: list[float], toward: list[float], steps: int, rate: float) -> list[float]:
     """accept moved back toward `toward` by `rate` per step, over `steps` steps."""
     d = (1.0 - rate) ** steps
     return [t + (a - t) * d for a, t in zip(accept, toward)]
@@ -88,7 +88,7 @@ def request_expected(mtp: MTPState, engine: list[float], engine_expected: list[f
     if mtp.expected is None:
         return engine_expected
     if now - mtp.accept_step > 1:
-        return expected_tokens(relaxed(mtp.accept_est, engine, now - mtp.accept_step, RELAX), len(engine))
+        return expected_tokens(decayed_toward(mtp.accept_est, engine, now - mtp.accept_step, RELAX), len(engine))
     return mtp.expected
 
 
@@ -98,7 +98,7 @@ REDECIDE_GAP = 4           # a verified draft this many policy steps after the l
 
 class EngineAcceptance:
     """The engine-wide acceptance estimate every new request starts from, carried across requests: `rates` per
-    draft position, learnt from every verified draft (with each request's own, `learn`), relaxed back toward the
+    draft position, learnt from every verified draft (with each request's own, `learn`), decayed back toward the
     prior while nothing is verified, half as fast after each probe whose first draft was rejected (a head that
     predicts nothing is re-tried after ~30, ~60, ~120 ... steps; one stopped by bad luck resumes after ~30)."""
 
@@ -106,7 +106,7 @@ class EngineAcceptance:
         self.draft_len = draft_len
         self.rates = [PRIOR_ACCEPT] * draft_len
         self._expected: Optional[list[float]] = None   # E(0..draft_len) of `rates`, None when stale
-        self._seen = 0                 # the policy step when `rates` last learnt something (or was relaxed)
+        self._seen = 0                 # the policy step when `rates` last learnt something (or was decayed)
         self._last_obs = 0             # the policy step of the last verified draft
         self._probe_fails = 0          # probes in a row that found the first draft rejected
         self._num_observed = 0         # observations `rates` has learnt from (since it last went stale)
@@ -123,10 +123,10 @@ class EngineAcceptance:
         self._seen, self._expected = now, None
 
     def expected(self, now: int) -> list[float]:
-        """E(0..draft_len) of the engine-wide estimate at policy step `now` (relaxed first if it went stale)."""
+        """E(0..draft_len) of the engine-wide estimate at policy step `now` (decayed first if it went stale)."""
         if now - self._seen > 1:
             rate = GLOBAL_RELAX / (1 << min(self._probe_fails, 16))
-            self.rates = relaxed(self.rates, [PRIOR_ACCEPT] * self.draft_len, now - self._seen, rate)
+            self.rates = decayed_toward(self.rates, [PRIOR_ACCEPT] * self.draft_len, now - self._seen, rate)
             self._seen, self._expected = now, None
         if self._expected is None:
             self._expected = expected_tokens(self.rates, self.draft_len)

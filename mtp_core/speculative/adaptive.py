@@ -30,32 +30,32 @@ import bisect
 from typing import Any, Optional
 
 from mtp_core.config.schedule import parse_schedule
-from mtp_core.speculative.mtp_state import MTPState
-from mtp_core.speculative.stats import SpecStats
+from mtp_core.request.mtp_state import MTPState
+from mtp_core.request.stats import SpecStats
 
 
-class DraftPolicy:
+class DraftLimits:
     """The per-row draft limit of rules 1 and 2 (rule 3 lives in the drafters)."""
 
     def __init__(self, K: int, schedule: Optional[dict[int, int]] = None, window: int = 0,
                  al_threshold: float = 0.0, max_batch_size: int = 1 << 30) -> None:
-        self.K = K
+        self.draft_len = K
         self.schedule = dict(sorted((schedule or {}).items()))
         self._keys = list(self.schedule)
         self.window, self.al_threshold = window, al_threshold
         self.max_batch_size = max_batch_size
 
     @classmethod
-    def from_spec(cls, spec: Any, max_batch_size: int) -> "DraftPolicy":
+    def from_spec(cls, spec: Any, max_batch_size: int) -> "DraftLimits":
         return cls(spec.max_draft_len, parse_schedule(spec.draft_len_schedule), spec.acceptance_window,
                    spec.acceptance_length_threshold, max_batch_size)
 
     def batch_limit(self, batch_size: int) -> int:
         """Rule 1: the schedule's limit for this many requests in flight (K without a schedule)."""
         if not self._keys:
-            return self.K
+            return self.draft_len
         i = bisect.bisect_right(self._keys, batch_size) - 1
-        return self.K if i < 0 else min(self.K, self.schedule[self._keys[i]])
+        return self.draft_len if i < 0 else min(self.draft_len, self.schedule[self._keys[i]])
 
     def in_flight(self, num_running: int, num_waiting: int) -> int:
         return min(num_running + num_waiting, self.max_batch_size)

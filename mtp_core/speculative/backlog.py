@@ -5,7 +5,9 @@ skips the drafter entirely: its MTP caches lag behind its valid length, and the 
 for the missing positions are kept (`MTPState.pending`). When it drafts again, the drafter's first MTP
 forward covers every lagging position at once (one forward over n tokens, like a prefill chunk), so the
 MTP caches are again equal to a recompute of the accepted prefix. A lag longer than MAX_MTP_LAG positions
-drops the kept states and switches drafting off for that request for good (bounded memory).
+drops the kept states and switches drafting off for that request for good (bounded memory). Every route
+brings a row's MTP state up to date after its step with one function, `settle` (here after the drafter; the
+static and native steps after their call).
 
 Worked example (Eagle): a row valid up to position 9 with its MTP entries too (num_valid = 10) is given 0
 drafts for two steps, each emitting one token: pending holds [h10], then [h10], [h11] (valid 12). The next
@@ -14,10 +16,12 @@ step emits x13 (new hidden [h12]) and the policy gives the row drafts again: for
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
+from mtp_core.request.mtp_state import MTPState
 from mtp_core.speculative.drafter import DraftInput, Drafter
-from mtp_core.speculative.mtp_state import MTPState
 
 MAX_MTP_LAG = 2048          # positions of main hidden states a row that skips drafting may keep
 
@@ -30,6 +34,22 @@ def hold(mtp: MTPState, hidden: torch.Tensor, valid: int, copy: bool) -> None:
     mtp.pending.append(hidden.clone() if copy else hidden)
     if valid - mtp.num_valid > MAX_MTP_LAG:
         mtp.is_off, mtp.pending = True, None
+
+
+def settle(mtp: MTPState, valid: int, drafted: bool, hidden: Optional[torch.Tensor] = None, copy: bool = True,
+           window: Optional[torch.Tensor] = None) -> None:
+    """The one update of a row's MTP state after a step, on every route (`propose` on the general path, the static
+    and native steps): a row whose MTP forwards ran has MTP caches up to its new valid length `valid` (Vanilla:
+    and `window`, the main hidden states they re-read next time); a row that skipped them lags and holds its newly
+    valid positions' main hidden states (`hidden` [n, H], see `hold`). A row with drafting off keeps nothing."""
+    if mtp.is_off:
+        return
+    if not drafted:
+        hold(mtp, hidden, valid, copy)
+        return
+    if window is not None:
+        mtp.window_hidden = window
+    mtp.num_valid, mtp.pending = valid, None
 
 
 def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_prompts: bool = False
@@ -49,7 +69,7 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_pr
         limit = inp.max_drafts if inp.needs_drafts and inp.max_drafts is not None else 0
         valid = inp.start + len(inp.next_tokens)
         if limit == 0 and (valid > inp.seq.prefill_target or (defer_prompts and valid <= MAX_MTP_LAG // 2)):
-            hold(mtp, inp.hidden, valid, copy=True if valid <= inp.seq.prefill_target else not views_ok)
+            settle(mtp, valid, False, inp.hidden, copy=True if valid <= inp.seq.prefill_target else not views_ok)
             continue   # a decode row that skips drafting, or a prompt chunk whose MTP forward is deferred
         if mtp.pending and mtp.num_valid < inp.start:
             # the MTP caches lag (drafting skipped in earlier steps): cover the missing positions too
@@ -60,5 +80,5 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_pr
     if run:
         for n, d in zip(run, drafter.propose([inputs[n] for n in run])):
             inp, drafts[n] = inputs[n], d
-            inp.seq.mtp.num_valid, inp.seq.mtp.pending = inp.start + len(inp.next_tokens), None
+            settle(inp.seq.mtp, inp.start + len(inp.next_tokens), True)
     return drafts

@@ -111,7 +111,7 @@ class StepCosts:
     catch-up cost per lagging position."""
 
     def __init__(self, K: int, catchup_ratio: float = 0.25) -> None:
-        self.K = K
+        self.draft_len = K
         self.catchup_ratio = catchup_ratio           # a catch-up position's cost per k = 0 row, until measured
         self.target: dict[int, list[Optional[_Cell]]] = {}
         self.draft: dict[int, list[Optional[_Cell]]] = {}
@@ -121,7 +121,7 @@ class StepCosts:
 
     def _add(self, table: dict[int, list[Optional[_Cell]]], batch_size: int, k: int, seconds: float) -> None:
         b = bucket(batch_size)
-        cells = table.setdefault(b, [None] * (self.K + 1))
+        cells = table.setdefault(b, [None] * (self.draft_len + 1))
         if cells[k] is None:
             cells[k] = _Cell()
         cells[k].add(seconds / batch_size)
@@ -173,7 +173,7 @@ class StepCosts:
                 return None
             src = min(self.target, key=lambda x: (abs(math.log2(x / b)), x))
         out = self._cache[b] = (_estimate(self.target[src], drafter=False),
-                                _estimate(self.draft.get(src, [None] * (self.K + 1)), drafter=True))
+                                _estimate(self.draft.get(src, [None] * (self.draft_len + 1)), drafter=True))
         return out
 
     def snapshot(self) -> dict:
@@ -184,7 +184,7 @@ class StepCosts:
             out[str(b)] = {"step_ms_per_row": [round(1e3 * (x + y), 4) for x, y in zip(t, d)],
                            "target_samples": [len(c.samples) if c else 0 for c in self.target[b]],
                            "draft_samples": [len(c.samples) if c else 0
-                                             for c in self.draft.get(b, [None] * (self.K + 1))]}
+                                             for c in self.draft.get(b, [None] * (self.draft_len + 1))]}
         return out
 
 
@@ -240,7 +240,7 @@ class StepTimer:
         if p is None:
             return
         if p.catchup:
-            cell = self.costs.draft.get(bucket(p.rows), [None] * (self.costs.K + 1))[p.draft_len]
+            cell = self.costs.draft.get(bucket(p.rows), [None] * (self.costs.draft_len + 1))[p.draft_len]
             if cell is not None:          # the drafter's usual time at this count is known: the rest is the catch-up
                 self.costs.add_catchup((t2 - t1 - p.rows * cell.value) / p.catchup)
         elif p.clean:

@@ -22,9 +22,9 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from mtp_core.engine.sequence import Sequence
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.forward_path import ForwardPath
+from mtp_core.request.sequence import Sequence
 
 log = logging.getLogger("mtp.engine")
 

@@ -22,7 +22,7 @@ that many. Two policies (`speculative_config.draft_len_policy`; `make_policy` bu
   per-request estimates of each draft position's acceptance, learnt from its verified steps.
 
   Choice. For k = 0..max(cap_r): rate(k) = sum_r E_r(min(k, cap_r)) / sum_r u(B, min(k, cap_r)), where
-  cap_r is the row's explicit limit (`adaptive.DraftPolicy`: schedule, paused window; the confidence gate
+  cap_r is the row's explicit limit (`adaptive.DraftLimits`: schedule, paused window; the confidence gate
   then stops chains inside the drafter), so explicit settings bound this policy. A drafting count must
   beat k = 0 by 5% (measurement noise, and the k = 0 steps among drafting ones cost more than in a run
   of k = 0), the previous count is kept unless another is 2% better, ties go to the smaller count. The
@@ -51,12 +51,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
 from mtp_core.config import DRAFT_LEN_POLICIES
+from mtp_core.request.mtp_state import MTPState
+from mtp_core.request.stats import SpecStats
 from mtp_core.speculative.acceptance import EngineAcceptance, request_expected
-from mtp_core.speculative.adaptive import DraftPolicy
+from mtp_core.speculative.adaptive import DraftLimits
 from mtp_core.speculative.backlog import MAX_MTP_LAG
 from mtp_core.speculative.costs import SETTLE, TRUSTED, Measure, StepCosts, StepTimer, bucket
-from mtp_core.speculative.mtp_state import MTPState
-from mtp_core.speculative.stats import SpecStats
 
 if TYPE_CHECKING:
     from mtp_core.speculative.drafter import DraftInput
@@ -121,10 +121,10 @@ class FixedPolicy:
     scheduler."""
     policy = "fixed"
 
-    def __init__(self, draft_len: int, rules: Optional[DraftPolicy] = None,
+    def __init__(self, draft_len: int, rules: Optional[DraftLimits] = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.draft_len = draft_len
-        self.rules = rules if rules is not None else DraftPolicy(draft_len)
+        self.rules = rules if rules is not None else DraftLimits(draft_len)
         self.clock = clock                             # the engine stamps its steps with it (record_step)
 
     def defers_prompts(self) -> bool:
@@ -163,7 +163,7 @@ class CostPolicy(FixedPolicy):
     """draft_len_policy cost (the module docstring): the count with the most expected tokens per second."""
     policy = "cost"
 
-    def __init__(self, draft_len: int, rules: Optional[DraftPolicy] = None, mtp_cost_ratio: float = 0.25,
+    def __init__(self, draft_len: int, rules: Optional[DraftLimits] = None, mtp_cost_ratio: float = 0.25,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__(draft_len, rules, clock)
         self.timer = StepTimer(draft_len, mtp_cost_ratio)   # which steps are measured; its .costs the cost table
@@ -396,7 +396,7 @@ def _apply(rows: Sequence["DraftInput"], limits: list[int]) -> list[int]:
     return limits
 
 
-def make_policy(draft_len: int, rules: Optional[DraftPolicy] = None, policy: str = "cost",
+def make_policy(draft_len: int, rules: Optional[DraftLimits] = None, policy: str = "cost",
                 mtp_cost_ratio: float = 0.25, clock: Callable[[], float] = time.perf_counter) -> FixedPolicy:
     """The engine's draft-length policy: CostPolicy for `cost` (with drafts to choose among), else FixedPolicy."""
     if policy not in DRAFT_LEN_POLICIES:

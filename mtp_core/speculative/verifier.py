@@ -1,4 +1,4 @@
-"""Verification of draft tokens: pure functions of (logits, drafts, per-request params).
+"""Verification of draft tokens: acceptance rules, pure functions of (logits, drafts, per-request params).
 
 Vocabulary: the target model scores the step input [t, d_1..d_K], giving logits for K+1 positions.
 target_i is the target's choice at position i (i = 0..K). Draft d_{i+1} is *accepted* if it agrees with
@@ -8,12 +8,25 @@ so it emits n = m + 1 tokens (1..K+1).
 Worked example (strict, from the write-up): drafts A B C D E, targets A B C H x x
 -> A, B, C accepted, D rejected; emitted A B C H (n = 4).
 
+The rules. Every row is verified by one acceptance rule, chosen per row by the engine's `Acceptance`
+(`rule_for`): `guided` (a grammar: structured.Guided), `sampled` (temperature > 0), `relaxed` (greedy, in the
+thinking phase, when relaxed acceptance is on) or `strict` (greedy). A rule owns
+- its row-wise verify, `verify_row(logits [K+1, V], drafts [K], seq)` (the general path, `verify`);
+- the flat form the fused static step uses where it has one, `match(logits, target, drafts)` -> bool [B, K]
+  with no host sync (`verify_static`);
+- `fused`: the fused steps that verify it inside their call: "static" (engine/static_step.py, the CUDA graph)
+  and "native" (engine/native_step.py: mtp_step, whose C++ twin of strict verification, csrc/cpu/
+  mtp_step_cpu.cpp, is held to the same hand-checked tables in tests/test_verifier.py).
+Strict acceptance is defined once, `accept_while_equal`: strict, sampled and guided rows differ only in how the
+target's choice at a position is made (the argmax, a sample, the masked choice). A new rule is a class here (or
+beside its state, as structured.Guided) and a line in `Acceptance.rule_for`; see docs/architecture.md.
+
 The engine's general path verifies a whole batch with these (engine/model_runner.py: verify_rows).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import torch
 
@@ -30,17 +43,53 @@ class VerifyResult:
         return [len(t) - 1 for t in self.tokens]
 
 
+class AcceptanceRule(Protocol):
+    """What every acceptance rule answers (the module docstring)."""
+    name: str
+    fused: tuple[str, ...]          # the fused steps that verify it inside their call: "static", "native"
+
+    def verify_row(self, logits: torch.Tensor, drafts: torch.Tensor, seq: Any) -> list[int]:
+        """One row: logits [K+1, V], drafts [K] -> the emitted tokens (accepted drafts, then the bonus)."""
+
+
+# ---- strict -------------------------------------------------------------------------------------
+
+def accept_while_equal(choices: Iterable[int], drafts: Sequence[int]) -> list[int]:
+    """Strict acceptance, its one definition: draft d_{i+1} is accepted while it equals choice_i, the target's
+    choice at position i; emits the accepted drafts, then the choice at the first position whose draft differs
+    (or after the last draft). `choices` may be lazy: choice i is asked for only once d_1..d_i are accepted (a
+    grammar's mask after them, the next sample of the row's generator)."""
+    out: list[int] = []
+    for i, c in enumerate(choices):
+        out.append(c)
+        if i >= len(drafts) or drafts[i] != c:
+            break
+    return out
+
+
 def verify_strict(logits: torch.Tensor, drafts: torch.Tensor) -> VerifyResult:
     """logits [B, K+1, V], drafts [B, K]. Greedy: accept while d_{i+1} == argmax(logits_i)."""
     rows = logits.argmax(-1).tolist()                            # [B][K+1]: one tensor op, then host lists
-    out: list[list[int]] = []
-    for target, d in zip(rows, drafts.tolist()):
-        m = 0
-        while m < len(d) and d[m] == target[m]:
-            m += 1
-        out.append(target[: m + 1])
-    return VerifyResult(out)
+    return VerifyResult([accept_while_equal(target, d) for target, d in zip(rows, drafts.tolist())])
 
+
+class Strict:
+    """Greedy: accept while d_{i+1} == argmax(logits_i)."""
+    name = "strict"
+    fused = ("static", "native")
+
+    def match(self, logits: torch.Tensor, target: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """The flat form: target [B, K+1] (the argmax), drafts [B, K] -> whether each draft counts [B, K]."""
+        return drafts == target[:, :-1]
+
+    def verify_row(self, logits: torch.Tensor, drafts: torch.Tensor, seq: Any = None) -> list[int]:
+        return accept_while_equal(logits.argmax(-1).tolist(), drafts.tolist())
+
+
+STRICT = Strict()
+
+
+# ---- relaxed (thinking phase) -------------------------------------------------------------------
 
 def relaxed_counted(logits: torch.Tensor, topk: int, delta: float) -> torch.Tensor:
     """logits [..., V] -> bool [..., V]: the candidates relaxed acceptance counts at each position.
@@ -82,32 +131,110 @@ def verify_relaxed_row(logits: torch.Tensor, drafts: torch.Tensor, topk: int, de
     return drafts[:m].tolist() + [int(logits[m].argmax())]
 
 
+@dataclass(frozen=True)
+class Relaxed:
+    """Relaxed acceptance (thinking rows only, SPEC §4.2): a draft counts when it is one of the top `topk`
+    candidates of its position within `delta` of the top-1 (`relaxed_counted`). Made by `Relaxed.of`, which
+    decides once whether it is really on."""
+    topk: int
+    delta: float
+    name = "relaxed"
+    fused = ("static",)          # the native step leaves relaxed rows to the general path
+
+    @classmethod
+    def of(cls, spec: Any) -> Optional["Relaxed"]:
+        """The rule a speculative config asks for, or None: off, or topk <= 1 or delta <= 0, which is strict by
+        definition (only the top-1 counts)."""
+        if spec is None or not spec.use_relaxed_acceptance_for_thinking:
+            return None
+        return cls(spec.relaxed_topk, spec.relaxed_delta) if spec.relaxed_topk > 1 and spec.relaxed_delta > 0 \
+            else None
+
+    def match(self, logits: torch.Tensor, target: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """The flat form: logits [B, K+1, V], drafts [B, K] -> whether each draft is counted [B, K]."""
+        counted = relaxed_counted(logits[:, :-1], self.topk, self.delta)             # [B, K, V]
+        return counted.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+
+    def verify_row(self, logits: torch.Tensor, drafts: torch.Tensor, seq: Any = None) -> list[int]:
+        return verify_relaxed_row(logits, drafts, self.topk, self.delta)
+
+
+# ---- sampled (temperature > 0) ------------------------------------------------------------------
+
 def verify_sampled_row(logits: torch.Tensor, drafts: torch.Tensor, params: SamplingParams,
                        generator: Optional[torch.Generator]) -> list[int]:
     """One row with temperature > 0: sample every position from the target distribution and accept
     drafts while they equal the sample. With a one-hot (greedy) proposal this is exactly rejection
     sampling, so emitted tokens follow the target distribution."""
-    samples = sample_tokens(logits, params, generator).tolist()   # [K+1]
-    out: list[int] = []
-    for i, d in enumerate(drafts.tolist()):
-        if samples[i] != d:
-            break
-        out.append(d)
-    out.append(samples[len(out)])
-    return out
+    return accept_while_equal(sample_tokens(logits, params, generator).tolist(), drafts.tolist())   # [K+1]
 
 
-def verify(logits: torch.Tensor, drafts: torch.Tensor, params: Sequence[SamplingParams],
-           relaxed: Sequence[Optional[tuple[int, float]]], generators: Sequence[Optional[torch.Generator]]
+class Sampled:
+    """Temperature > 0: strict acceptance against a sample of each position (`verify_sampled_row`)."""
+    name = "sampled"
+    fused: tuple[str, ...] = ()    # the sample needs the request's generator in Python
+
+    def verify_row(self, logits: torch.Tensor, drafts: torch.Tensor, seq: Any) -> list[int]:
+        return verify_sampled_row(logits, drafts, seq.params, seq.generator)
+
+
+SAMPLED = Sampled()
+
+
+# ---- a batch ------------------------------------------------------------------------------------
+
+class Acceptance:
+    """The engine's acceptance rules and which one verifies each row (`rule_for`): a guided row its grammar's
+    (greedy or sampled), a sampled row `sampled`, a greedy row in the thinking phase `relaxed` where it is on,
+    any other `strict`. guided: the grammar rules for greedy and sampled rows (structured.Guided.pair)."""
+
+    def __init__(self, relaxed: Optional[Relaxed] = None,
+                 guided: Optional[tuple[AcceptanceRule, AcceptanceRule]] = None) -> None:
+        self.relaxed, self.guided = relaxed, guided
+
+    @classmethod
+    def of(cls, spec: Any, guided: Optional[tuple[AcceptanceRule, AcceptanceRule]] = None) -> "Acceptance":
+        """The rules a speculative config turns on (spec None: no drafting; a row is still verified by its rule)."""
+        return cls(Relaxed.of(spec), guided)
+
+    def rule_for(self, seq: Any) -> AcceptanceRule:
+        if seq.matcher is not None:
+            return self.guided[0 if seq.params.greedy else 1]
+        if not seq.params.greedy:
+            return SAMPLED
+        if self.relaxed is not None and seq.in_thinking:
+            return self.relaxed
+        return STRICT
+
+    def fused(self, step: str, seqs: Iterable[Any]) -> bool:
+        """Whether the fused step ("static", "native") verifies every one of these rows inside its call."""
+        return all(step in self.rule_for(s).fused for s in seqs)
+
+
+def verify(logits: torch.Tensor, drafts: torch.Tensor, rules: Sequence[AcceptanceRule], seqs: Sequence[Any]
            ) -> VerifyResult:
-    """Dispatch per row: sampled if temperature > 0, relaxed if `relaxed[b]` = (topk, delta) is set for
-    a greedy row (thinking phase), strict otherwise. logits [B, K+1, V], drafts [B, K]."""
+    """Each row by its rule (Acceptance.rule_for; seqs: what a rule reads of the row: params, generator,
+    matcher, in_thinking). logits [B, K+1, V], drafts [B, K]. The strict rows in one argmax."""
     result = verify_strict(logits, drafts)
-    for b, p in enumerate(params):
-        if not p.greedy:
-            result.tokens[b] = verify_sampled_row(logits[b], drafts[b], p, generators[b])
-        elif relaxed[b] is not None and drafts.shape[1] > 0:
-            topk, delta = relaxed[b]
-            if topk > 1 and delta > 0:
-                result.tokens[b] = verify_relaxed_row(logits[b], drafts[b], topk, delta)
+    for b, (rule, seq) in enumerate(zip(rules, seqs)):
+        if rule is not STRICT:
+            result.tokens[b] = rule.verify_row(logits[b], drafts[b], seq)
     return result
+
+
+def verify_static(logits: torch.Tensor, drafts: torch.Tensor, thinking: torch.Tensor,
+                  relaxed: Optional[Relaxed], offsets: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The static step's verification, with no host sync: the rules' flat forms (strict, and relaxed for
+    thinking rows). logits [B, K+1, V], drafts [B, K], thinking [B] bool -> (m accepted drafts [B], emitted
+    [B, K+1]: d_1..d_m, the target's token at m, then the target's choices past m, which are never emitted,
+    only fed to forward 1's throwaway entries)."""
+    target = logits.argmax(-1)                                                  # [B, K+1]
+    match = STRICT.match(logits, target, drafts)                                # [B, K]
+    if relaxed is not None:
+        match = torch.where(thinking.unsqueeze(-1), relaxed.match(logits, target, drafts), match)
+    m = match.int().cumprod(dim=-1).sum(-1)                                     # [B]
+    if offsets is None:
+        offsets = torch.arange(logits.shape[1], device=logits.device)
+    drafts_padded = torch.cat([drafts, target[:, -1:]], dim=1)                 # [B, K+1]
+    return m, torch.where(offsets[None, :] < m[:, None], drafts_padded, target)

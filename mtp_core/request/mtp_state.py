@@ -16,7 +16,7 @@ class MTPState:
     num_valid: int = 0           # positions 0..num_valid-1 hold valid MTP-cache entries (<= seq.num_cached)
     pending: Optional[list[torch.Tensor]] = None   # main hidden states, positions num_valid..num_cached-1
     is_off: bool = False         # drafting off for good (the lag outgrew backlog.MAX_MTP_LAG)
-    # the acceptance window (adaptive.DraftPolicy)
+    # the acceptance window (adaptive.DraftLimits)
     accept_window: list[int] = field(default_factory=list)   # AL of the last decode steps that drafted
     pause_steps: int = 0         # decode steps left without drafting
     # the draft-length policy (policy.py)

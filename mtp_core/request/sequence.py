@@ -1,4 +1,4 @@
-"""One request's state inside the engine."""
+"""One request's state: its tokens and KV state, with its drafting state (`mtp`) and statistics (`stats`)."""
 from __future__ import annotations
 
 import enum
@@ -8,9 +8,9 @@ from typing import Optional
 
 import torch
 
+from mtp_core.request.mtp_state import MTPState
+from mtp_core.request.stats import SpecStats
 from mtp_core.sampling import SamplingParams, token_logprobs
-from mtp_core.speculative.mtp_state import MTPState
-from mtp_core.speculative.stats import SpecStats
 
 _ids = itertools.count()
 
