@@ -127,7 +127,6 @@ def build_llm_config(p: dict[str, Any], explicit: dict[str, Any], note: Callable
     from mtp_core.config.schema import validate
 
     cfg = config_from_flags({**p, "model_dir": _model_dir(p.get("model_dir"))})
-    cfg.device = default_device()
     path = p.get("extra_llm_api_options")
     if path is not None:
         from mtp_core.yaml_config import apply_yaml_options, load_yaml_options
@@ -139,6 +138,7 @@ def build_llm_config(p: dict[str, Any], explicit: dict[str, Any], note: Callable
             raise ValueError(f"{path}: {e}") from None
     else:
         validate(cfg, flag_words=True)       # the rules across fields, worded with the flags that set them
+    cfg.device = default_device(cfg)         # after the YAML: its runtime.device counts
     if cfg.speculative_config is None:
         typed = [f"--{f}" for f in section_flags("speculative_config") if f in explicit]
         if typed:
@@ -164,16 +164,14 @@ def warn_ignored_flags(p: dict[str, Any]) -> None:
             log.warning("%s", warning_text(row))
 
 
-def default_device() -> str:
-    """cuda when torch sees a GPU, else cpu; MTP_CORE_DEVICE (cpu | cuda | cuda:N) overrides."""
+def default_device(cfg: Optional[LLMConfig] = None) -> str:
+    """runtime.device (auto: cuda when torch sees a GPU, else cpu); MTP_CORE_DEVICE (cpu | cuda | cuda:N)
+    overrides it (mtp_core/config/runtime.py)."""
     import torch
 
-    chosen = os.environ.get("MTP_CORE_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-    if not (chosen == "cpu" or chosen.startswith("cuda")):
-        raise ValueError(f"MTP_CORE_DEVICE={chosen!r} is not a device; use cpu, cuda or cuda:N")
-    if chosen.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"MTP_CORE_DEVICE={chosen} but torch sees no CUDA device; unset it or use cpu")
-    return chosen
+    from mtp_core.config import runtime
+
+    return runtime.device(torch.cuda.is_available, cfg.runtime if cfg is not None else None)
 
 
 def check_device_features(cfg: LLMConfig) -> None:

@@ -29,17 +29,28 @@ TORCH_LIBRARY(mtp_core, m) {
 }
 
 extern "C" const char* mtp_core_cpu_isa();
+extern "C" const char* mtp_core_set_cpu_isa(const char* want);
 extern "C" int mtp_core_cpu_amx();
 extern "C" int mtp_core_cpu_bf16_dot();
 
 static PyObject* cpu_isa(PyObject*, PyObject*) { return PyUnicode_FromString(mtp_core_cpu_isa()); }
+static PyObject* set_cpu_isa(PyObject*, PyObject* want) {
+  const char* name = PyUnicode_AsUTF8(want);
+  if (name == nullptr) return nullptr;   // not a str: TypeError set
+  return PyUnicode_FromString(mtp_core_set_cpu_isa(name));
+}
 static PyObject* cpu_amx(PyObject*, PyObject*) { return PyBool_FromLong(mtp_core_cpu_amx()); }
 static PyObject* cpu_bf16_dot(PyObject*, PyObject*) { return PyBool_FromLong(mtp_core_cpu_bf16_dot()); }
 
-// `import mtp_core._C` loads this library and with it the registrations; the module has cpu_isa().
+// `import mtp_core._C` loads this library and with it the registrations; the module has cpu_isa() and
+// set_cpu_isa(name), which Python calls with runtime.cpu_isa (mtp_core/kernels/native.py): C++ reads no
+// environment.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"cpu_isa", cpu_isa, METH_NOARGS, "The instruction set the native CPU decode kernels use."},
+      {"set_cpu_isa", set_cpu_isa, METH_O,
+       "Cap the native CPU decode kernels' instruction set (auto, amx, avx512, avx512f, avx2 or generic); returns the "
+       "one they use."},
       {"cpu_amx", cpu_amx, METH_NOARGS, "AMX tiles are usable by this process (CPU and kernel)."},
       {"cpu_bf16_dot", cpu_bf16_dot, METH_NOARGS, "The CPU has AVX512-BF16 dot products (and VBMI)."},
       {nullptr, nullptr, 0, nullptr}};

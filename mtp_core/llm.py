@@ -9,7 +9,7 @@ from typing import Callable, Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
-from mtp_core.config import LLMConfig
+from mtp_core.config import LLMConfig, runtime
 from mtp_core.engine.engine import Engine
 from mtp_core.loader import load_model
 from mtp_core.model import DeepseekV3ForCausalLM
@@ -43,6 +43,7 @@ class LLM:
     def __init__(self, config: LLMConfig, load_progress: Optional[Callable[[int, int], None]] = None,
                  iter_log: Optional[Callable[[str], None]] = None) -> None:
         config.validate()
+        runtime.configure(config.runtime)     # process-wide switches (kernels, CPU ISA) before the model loads
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mtp_core.config import CudaGraphConfig, KvCacheConfig, LLMConfig, SpeculativeConfig
+from mtp_core.config import CudaGraphConfig, KvCacheConfig, LLMConfig, RuntimeConfig, SpeculativeConfig
 from mtp_core.yaml_config import ConfigError, apply_yaml_options, load_yaml_options, valid_yaml_keys
 
 torch.set_num_threads(1)
@@ -411,6 +411,7 @@ def test_valid_yaml_keys_tree():
                 "kv_cache_config": {"free_gpu_memory_fraction", "tokens_per_block", "max_tokens", "dtype",
                                     "enable_block_reuse"},
                 "moe_config": {"backend"},
+                "runtime": {"kernels", "cpu_isa", "native_decode", "native_layout", "device"},
                 "speculative_config": {"decoding_type", "num_nextn_predict_layers", "max_draft_len",
                                        "use_relaxed_acceptance_for_thinking", "relaxed_topk", "relaxed_delta",
                                        "use_mtp_vanilla", "mtp_mode", "draft_len_policy", "draft_confidence_threshold",
@@ -444,6 +445,7 @@ def test_repo_example_loads():
     assert new.kv_cache_config.tokens_per_block == 64
     assert 0 < new.kv_cache_config.free_gpu_memory_fraction <= 1
     assert new.cuda_graph_config is not None and new.cuda_graph_config.batch_sizes
+    assert new.runtime == RuntimeConfig()
     assert lines == []
 
 

@@ -20,6 +20,7 @@
 // (projection rows, (head, latent) tiles, (token, head) attention items, expert rows) across the members,
 // and the members meet at a barrier between ops.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -49,9 +50,9 @@ using cpu::KernelTable;
 using cpu::Mat;
 using cpu::Rows;
 
-const KernelTable* pick_table() {
-  const char* forced = std::getenv("MTP_CORE_CPU_ISA");
-  const std::string want = forced ? forced : "auto";
+// The table for the instruction set Python asks for (mtp_core_set_cpu_isa: runtime.cpu_isa, the config's or its
+// environment override, mtp_core/config/runtime.py), capped by what the CPU has.
+const KernelTable* pick_table(const std::string& want) {
   __builtin_cpu_init();
   const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -65,8 +66,17 @@ const KernelTable* pick_table() {
   return cpu::kernels_generic();
 }
 
+// Set by Python when the native ops load and when an engine is configured; "auto" until then. Every call reads
+// it once per op: a table swapped between calls is whole either way.
+std::atomic<const KernelTable*> g_table{nullptr};
+
 const KernelTable& K() {
-  static const KernelTable* table = pick_table();
+  const KernelTable* table = g_table.load(std::memory_order_acquire);
+  if (table == nullptr) {
+    table = pick_table("auto");
+    const KernelTable* none = nullptr;
+    if (!g_table.compare_exchange_strong(none, table, std::memory_order_acq_rel)) table = none;
+  }
   return *table;
 }
 
@@ -799,6 +809,12 @@ at::Tensor mat_gemm_cpu(const at::Tensor& x, const at::Tensor& data, const std::
 }  // namespace mtp_core
 
 extern "C" const char* mtp_core_cpu_isa() { return mtp_core::K().isa; }
+// want: auto | amx | avx512 | avx512f | avx2 | generic (checked in Python); returns the table's ISA name.
+extern "C" const char* mtp_core_set_cpu_isa(const char* want) {
+  const mtp_core::cpu::KernelTable* table = mtp_core::pick_table(want);
+  mtp_core::g_table.store(table, std::memory_order_release);
+  return table->isa;
+}
 extern "C" int mtp_core_cpu_amx() { return mtp_core::cpu::amx_usable() ? 1 : 0; }
 extern "C" int mtp_core_cpu_bf16_dot() { return mtp_core::cpu::dot_usable() ? 1 : 0; }
 

@@ -2,12 +2,13 @@
 
 schema.py says how a field is declared and checked, engine.py declares the engine's fields (their YAML keys
 and CLI flags with them), compat.py lists the settings kept only for compatibility, flags.py turns CLI flag
-values into an LLMConfig; the YAML loader is mtp_core/yaml_config.py.
+values into an LLMConfig, runtime.py resolves the `runtime` section (the one reader of the MTP_CORE_* environment
+overrides); the YAML loader is mtp_core/yaml_config.py.
 """
 from .engine import (DRAFT_LEN_POLICIES, MTP_MODES, CudaGraphConfig, KvCacheConfig, LLMConfig, MoeConfig,
-                     SpeculativeConfig)
+                     RuntimeConfig, SpeculativeConfig)
 from .model import ModelConfig, yarn_get_mscale
 from .schema import ConfigError
 
 __all__ = ["ConfigError", "CudaGraphConfig", "DRAFT_LEN_POLICIES", "KvCacheConfig", "LLMConfig", "MTP_MODES",
-           "ModelConfig", "MoeConfig", "SpeculativeConfig", "yarn_get_mscale"]
+           "ModelConfig", "MoeConfig", "RuntimeConfig", "SpeculativeConfig", "yarn_get_mscale"]

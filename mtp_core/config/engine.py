@@ -23,6 +23,15 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "fp8", "float32", "bfloat16", "float16")
 # TensorRT-LLM's MoE backends (its order); the flag lists the PyTorch one (VANILLA) first
 MOE_BACKENDS = ("auto", "CUTLASS", "TRTLLM", "WIDEEP", "CUTEDSL", "DEEPGEMM", "VANILLA", "TRITON")
+# the runtime section's choices (config/runtime.py resolves them, environment overrides included)
+KERNEL_MODES = ("auto", "reference")
+CPU_ISAS = ("auto", "amx", "avx512", "avx512f", "avx2", "generic")
+NATIVE_LAYOUTS = ("auto", "direct", "packed")
+
+
+def is_device(name: Any) -> bool:
+    """auto, cpu, cuda or cuda:N."""
+    return name in ("auto", "cpu", "cuda") or (str(name).startswith("cuda:") and str(name)[5:].isdigit())
 
 
 def _moe_backend(name: str) -> str:
@@ -188,6 +197,34 @@ class MoeConfig:
 
 
 @dataclass
+class RuntimeConfig:
+    """Process-wide switches: the kernels, the CPU instruction set, the native CPU forward, the device. Each may be
+    overridden by its environment variable (config/runtime.py, the one place that reads them)."""
+    kernels: str = opt(
+        "auto", "auto: the native kernels where they were built (mtp_core._C), else the torch references; "
+                "reference: the torch references only. Env MTP_CORE_KERNELS overrides.",
+        choices=KERNEL_MODES, norm=str.lower)
+    cpu_isa: str = opt(
+        "auto", "Caps the native CPU kernels' instruction set: auto (the best the CPU has), amx, avx512 (no AMX "
+                "tiles), avx512f (no AMX, no bf16 dot products: the fp32 reference kernels), avx2, generic. Env "
+                "MTP_CORE_CPU_ISA overrides.",
+        choices=CPU_ISAS, norm=str.lower)
+    native_decode: bool = opt(
+        True, "The native CPU decode forward where the model allows it; false keeps every forward on the torch "
+              "path. Env MTP_CORE_NATIVE_DECODE=0|1 overrides.")
+    native_layout: str = opt(
+        "auto", "The native forward's weight layout: auto (packed for small plain fp32/bf16 models, else direct), "
+                "direct (read in place) or packed (repacked). Env MTP_CORE_NATIVE_LAYOUT overrides.",
+        choices=NATIVE_LAYOUTS, norm=str.lower)
+    device: str = opt(
+        "auto", "The CLI's device: auto (cuda when torch sees a GPU, else cpu), cpu, cuda or cuda:N. Env "
+                "MTP_CORE_DEVICE overrides.", ok=is_device, allowed="one of auto, cpu, cuda, cuda:N", norm=str.lower)
+
+    def validate(self) -> None:
+        validate(self, "runtime.")
+
+
+@dataclass
 class LLMConfig:
     """Everything the engine needs besides the checkpoint."""
     model_dir: str = opt("", "Checkpoint directory.", yaml=False,
@@ -211,6 +248,7 @@ class LLMConfig:
         flags=(Flag("--use_cuda_graph", "CUDA graphs for decode steps (GPU; eager with a warning on CPU).",
                     type=bool, default=False),))
     moe_config: MoeConfig = section(MoeConfig, "Mixture-of-experts kernels.")
+    runtime: RuntimeConfig = section(RuntimeConfig, "Process-wide switches (kernels, CPU ISA, native forward, device).")
     disable_overlap_scheduler: bool = opt(
         False, "Turn the overlap scheduler off (it prepares the next step while MTP drafts; GPU only, off on CPU).",
         flags=(Flag("--disable_overlap_scheduler"),))
@@ -220,7 +258,8 @@ class LLMConfig:
     native_step: bool = opt(
         True, "On a CPU with the native forward, a greedy decode step (plain, or MTP Eagle with strict acceptance) "
               "runs as one native call (engine/native_step.py); False runs every step through the general path (the "
-              "reference the native step is tested against; env MTP_CORE_NATIVE_STEP=0 does the same).", yaml=False)
+              "reference the native step is tested against; env MTP_CORE_NATIVE_STEP=0 does the same: "
+              "config/runtime.py).", yaml=False)
     enable_chunked_prefill: bool = opt(False, "Split long prompts over steps.",
                                        flags=(Flag("--enable_chunked_prefill"),))
     print_iter_log: bool = opt(False, "One stderr line per engine step.", flags=(Flag("--print_iter_log"),))

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from mtp_core.config import LLMConfig
+from mtp_core.config import LLMConfig, runtime
 from mtp_core.distributed.engine import DistributedEngine
 from mtp_core.distributed.loader import load_model_sharded
 from mtp_core.distributed.parallel_state import ParallelState, check_parallel_sizes
@@ -83,6 +83,7 @@ class DistributedLLM(LLM):
                  load_progress: Optional[Callable[[int, int], None]] = None,
                  iter_log: Optional[Callable[[str], None]] = None) -> None:
         config.validate()
+        runtime.configure(config.runtime)     # process-wide switches (kernels, CPU ISA) before the model loads
         self.config, self.parallel = config, par
         if config.num_threads:
             torch.set_num_threads(config.num_threads)

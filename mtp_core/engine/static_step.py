@@ -41,13 +41,12 @@ length).
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
 
-from mtp_core.config import LLMConfig
+from mtp_core.config import LLMConfig, runtime
 from mtp_core.engine.native_step import NativeStep
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.kv_cache.block_manager import BlockManager
@@ -281,7 +280,7 @@ def make_static_steps(model: DeepseekV3ForCausalLM, path: ForwardPath, cfg: LLMC
         graphs = GraphRunner(model, path, caches, K, sizes, cg.enable_padding, blocks.blocks_for(max_seq_len + 2 * K),
                              blocks.tokens_per_block, scratch[0],
                              acceptance, torch.device(cfg.device))
-    use_native_step = cfg.native_step and os.environ.get("MTP_CORE_NATIVE_STEP", "1") != "0"
+    use_native_step = runtime.native_step(cfg.native_step)
     native = (NativeStep(model, path, caches, K, acceptance, fixed_counts=fixed_counts, vanilla=mode == "vanilla",
                          confidence=confidence)
               if use_native_step and graphs is None and not overlap and not injected_drafter

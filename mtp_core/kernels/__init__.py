@@ -3,8 +3,9 @@
     from mtp_core.kernels import mla_decode
     out, lse = mla_decode(q_lat, q_pe, kv_cache, block_table, cache_seqlens, softmax_scale, kv_scale)
 
-`native_ops()` says what was loaded (decided once, on first use; MTP_CORE_KERNELS=reference forces the torch
-references). The *_ref functions are the plain-torch oracles the native kernels are tested against.
+`native_ops()` says what was loaded (decided once, on first use; runtime.kernels: reference, or env
+MTP_CORE_KERNELS=reference, forces the torch references). The *_ref functions are the plain-torch oracles the
+native kernels are tested against.
 """
 from mtp_core.kernels.dispatch import (
     cpu_amx, cpu_bf16_dot, cpu_isa, mat_gemm, mla_decode, nvfp4_gemm, nvfp4_quantize, nvfp4_w4a4_gemm, rms_norm, rope)

@@ -1,6 +1,6 @@
 """The one place that chooses between a native kernel and its torch reference.
 
-`native_ops()` is resolved once, on first use (env MTP_CORE_KERNELS=auto|reference), and logged. Each op then
+`native_ops()` is resolved once, on first use (runtime.kernels = auto|reference), and logged. Each op then
 checks its input contract (ValueError on misuse) and runs the native kernel when one exists for
 these tensors (device, dtypes, fixed GPU shapes), the torch reference otherwise.
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Optional
@@ -16,6 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from mtp_core.config import runtime
 from mtp_core.kernels.native_ref import mat_gemm_ref
 from mtp_core.kernels.fused_ref import rms_norm_ref, rope_ref
 from mtp_core.kernels.mla_decode_ref import mla_decode_ref
@@ -183,27 +183,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
 
 
 def cpu_amx() -> bool:
-    """AMX tiles are usable (CPU, kernel permission) and not capped off by MTP_CORE_CPU_ISA (avx512, avx512f,
-    avx2 or generic turn them off; auto and amx keep them): the native forward then runs bf16 weights' GEMMs
-    on them."""
-    if not native_ops().cpu or os.environ.get("MTP_CORE_CPU_ISA", "auto") not in ("auto", "amx"):
+    """AMX tiles are usable (CPU, kernel permission) and not capped off by runtime.cpu_isa (env MTP_CORE_CPU_ISA;
+    avx512, avx512f, avx2 or generic turn them off; auto and amx keep them): the native forward then runs bf16
+    weights' GEMMs on them."""
+    if not native_ops().cpu or runtime.cpu_isa() not in ("auto", "amx"):
         return False
     import mtp_core._C as _C
     return bool(_C.cpu_amx())
 
 
 def cpu_bf16_dot() -> bool:
-    """The CPU has AVX512-BF16 dot products (and VBMI) and MTP_CORE_CPU_ISA does not cap them off (auto, amx
+    """The CPU has AVX512-BF16 dot products (and VBMI) and runtime.cpu_isa does not cap them off (auto, amx
     and avx512 keep them; avx512f, avx2 and generic turn them off): the native forward then runs the direct
     layout's bf16 / FP8 / NVFP4 row-wise matrices that AMX does not take on them, with bf16 activations."""
-    if not native_ops().cpu or os.environ.get("MTP_CORE_CPU_ISA", "auto") not in ("auto", "amx", "avx512"):
+    if not native_ops().cpu or runtime.cpu_isa() not in ("auto", "amx", "avx512"):
         return False
     import mtp_core._C as _C
     return bool(_C.cpu_bf16_dot())
 
 
 def cpu_isa() -> str:
-    """The instruction set of the native CPU decode kernels (avx512 / avx2 / generic; MTP_CORE_CPU_ISA caps
+    """The instruction set of the native CPU decode kernels (avx512 / avx2 / generic; runtime.cpu_isa caps
     it), or "reference" when the native ops are not loaded."""
     if not native_ops().cpu:
         return "reference"

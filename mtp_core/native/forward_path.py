@@ -3,7 +3,7 @@ serving forward the engine runs (target, MTP modules, LM head).
 
   native  `NativeDecoder` (native_decode.py): one native op per forward over the paged cache, batch-invariant;
           built once per model where the model allows it (a CPU, the native ops loaded, weights it can read, one
-          process); `MTP_CORE_NATIVE_DECODE=0` keeps it off.
+          process); `runtime.native_decode: false` (env MTP_CORE_NATIVE_DECODE=0) keeps it off.
   torch   `TorchForward` (mtp_core/model/forward_path.py): the model's own modules, on every device and for every
           model; the reference the native path is tested against.
 

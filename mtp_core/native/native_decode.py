@@ -4,7 +4,7 @@ batch-invariant LM head mtp_core::decode_logits.
 
 Built once per model by `NativeDecoder.build` (the weights as a `DecodeWeights`, native_weights.py: read
 in place, or repacked for small models), or not at all, with one log line saying why: not a CPU, no native
-ops (`MTP_CORE_KERNELS=reference`), `MTP_CORE_NATIVE_DECODE=0`, weights it cannot read, or a distributed
+ops (runtime.kernels: reference), runtime.native_decode: false, weights it cannot read, or a distributed
 model. An engine that takes it (forward_path.py) serves every forward through it: decode, verification and
 draft rows, and prefill chunks too (absorbed attention over the paged cache, causal within each row), so
 that every token of a request is computed by the same batch-invariant code whatever shares its step and
@@ -13,13 +13,13 @@ however its prompt was chunked. References: the model's torch path and kernels/n
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from mtp_core import kernels
+from mtp_core.config import runtime
 from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
 from mtp_core.model.attention_metadata import AttentionMetadata
 from mtp_core.model.layers import MLP
@@ -59,8 +59,8 @@ class NativeDecoder:
     @classmethod
     def why_not(cls, model: nn.Module) -> Optional[str]:
         """None when the native decode forward can serve this model, else the reason."""
-        if os.environ.get("MTP_CORE_NATIVE_DECODE", "1") == "0":
-            return "MTP_CORE_NATIVE_DECODE=0"
+        if not runtime.native_decode():
+            return runtime.source("native_decode")
         if not kernels.native_ops().cpu:
             return kernels.native_ops().summary
         p = model.model.embed_tokens.weight

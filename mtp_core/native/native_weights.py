@@ -22,7 +22,6 @@ and the tests read the same structure.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 
 from mtp_core import kernels
+from mtp_core.config import runtime
 from mtp_core.kernels import nvfp4_layout
 from mtp_core.kernels.mat import BF16, COLS, F32, FP8, NVFP4, PAIRS, PANEL, ROWS
 from mtp_core.loader.quant.fp8 import dequantize_fp8_block
@@ -292,14 +292,14 @@ def linear_bytes(model: nn.Module) -> int:
 def choose_layout(model: nn.Module, want: str = "") -> str:
     """direct or packed (see the module docstring). auto: packed for plain fp32/bf16 models of at most
     PACKED_MAX_BYTES whose attention pre-absorbs without more than doubling; direct otherwise. want "" reads
-    MTP_CORE_NATIVE_LAYOUT (auto / direct / packed)."""
-    want = want or os.environ.get("MTP_CORE_NATIVE_LAYOUT", "auto")
+    runtime.native_layout (auto / direct / packed; env MTP_CORE_NATIVE_LAYOUT overrides)."""
+    want = want or runtime.native_layout()
     if want not in LAYOUTS:
-        raise ValueError(f"MTP_CORE_NATIVE_LAYOUT={want!r}: use one of {', '.join(LAYOUTS)}")
+        raise ValueError(f"native layout {want!r}: use one of {', '.join(LAYOUTS)}")
     if getattr(model.config, "is_dsa", False):
         if want == "packed":
             log.info("native layout: DeepSeek-V3.2 sparse attention runs in the direct layout only; "
-                     "MTP_CORE_NATIVE_LAYOUT=packed ignored")
+                     "the packed layout asked for is ignored")
         return "direct"
     if want != "auto":
         return want
