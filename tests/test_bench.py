@@ -238,11 +238,14 @@ def test_bench_cli(tmp_path: Path, tiny3_dir: Path, dataset: Path, concurrency: 
 
 
 def test_bench_cli_adaptive_statistics(tmp_path: Path, tiny3_dir: Path, dataset: Path) -> None:
-    """A schedule that allows 1 draft at batch 1 and none from 2 requests on, through --report_json."""
+    """A schedule that allows 1 draft at batch 1 and none from 2 requests on, through --report_json. Under the
+    fixed policy, so that the schedule alone decides: the cost policy may keep a lone request at 0 (its MTP forward
+    over the prompt and the tokens it decoded at batch 2 is a catch-up its few remaining tokens would not repay)."""
     report_path = tmp_path / "report.json"
     r = mtp("bench", "--model_dir", tiny3_dir, "--dataset", dataset, "--num_requests", 3, "--concurrency", 2,
             "--warmup", 0, "--num_threads", 1, "--report_json", report_path, "--spec_decode_algo", "MTP",
-            "--spec_decode_nextn", "2", "--mtp_mode", "eagle", "--spec_decode_draft_len_schedule", "1:1,2:0")
+            "--spec_decode_nextn", "2", "--mtp_mode", "eagle", "--spec_decode_draft_len_schedule", "1:1,2:0",
+            "--spec_decode_draft_len_policy", "fixed")
     assert r.exit_code == 0, r.stderr
     d = json.loads(report_path.read_text())["decoding_stats"]
     hist, limits = d["drafts_per_step_histogram"], d["draft_limit_histogram"]
