@@ -66,12 +66,16 @@ def _env(var: str) -> Optional[str]:
     return raw.strip() if raw and raw.strip() else None
 
 
+def _bool(var: str, raw: str) -> bool:
+    if raw.lower() in _TRUE + _FALSE:
+        return raw.lower() in _TRUE
+    raise ConfigError(f"{var}={raw!r}: use 1 or 0 (true or false)", var)
+
+
 def _parse(name: str, var: str, raw: str) -> Any:
     entry = _entry(name)
     if entry.kind == "bool":
-        if raw.lower() in _TRUE + _FALSE:
-            return raw.lower() in _TRUE
-        raise ConfigError(f"{var}={raw!r}: use 1 or 0 (true or false)", var)
+        return _bool(var, raw)
     if entry.spec.ok is not None and not entry.spec.ok(raw):
         raise ConfigError(f"{var}={raw!r}: use {entry.allowed}", var)
     return raw
@@ -130,8 +134,4 @@ def device(cuda_available: Callable[[], bool], runtime: Optional[RuntimeConfig] 
 def native_step(on: bool) -> bool:
     """LLMConfig.native_step as it applies: MTP_CORE_NATIVE_STEP=0 turns it off (a switch kept for A/B runs)."""
     raw = _env(NATIVE_STEP_ENV)
-    if raw is None or not on:
-        return on
-    if raw.lower() in _TRUE + _FALSE:
-        return raw.lower() in _TRUE
-    raise ConfigError(f"{NATIVE_STEP_ENV}={raw!r}: use 1 or 0 (true or false)", NATIVE_STEP_ENV)
+    return on if raw is None or not on else _bool(NATIVE_STEP_ENV, raw)
