@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import llm_config
+from test_native_step import on_the_call
 from mtp_core.llm import LLM
 from mtp_core.sampling import SamplingParams
 from mtp_core.tokenizer import Tokenizer
@@ -28,10 +29,9 @@ def backend(tiny1_dir) -> GrammarBackend:
     return GrammarBackend(tok, 512, [2], 4, forbid=(5, 6))
 
 
-def test_a_grammar_mask_rejects_a_draft_in_the_verify_row(backend) -> None:
-    """Choice grammar {"yes", "no"}; row [t, d1 = "n", d2 = "x"]; logits favour "x" everywhere:
-      position 0: allowed "y", "n", "no", ...; x 5 is masked; n 3 is the masked argmax = d1, accepted
-      position 1: after "n" only "o" is allowed; the masked argmax is "o" != d2: the row emits "n", "o"."""
+def _yes_no_row(backend):
+    """The choice grammar {"yes", "no"}, logits over a row [t, d1, d2] that favour "x" everywhere ("n" second at
+    position 0, "o" at position 1), and the matcher's first mask (to check the matcher ends where it began)."""
     m = backend.matcher(("choice", json.dumps(["yes", "no"])))
     logits = torch.zeros(3, 512)
     logits[:, X] = 5.0
@@ -39,6 +39,14 @@ def test_a_grammar_mask_rejects_a_draft_in_the_verify_row(backend) -> None:
     logits[1, O] = 1.0
     before = backend.new_bitmask()
     m.matcher.fill_next_token_bitmask(before)
+    return m, logits, before
+
+
+def test_a_grammar_mask_rejects_a_draft_in_the_verify_row(backend) -> None:
+    """Choice grammar {"yes", "no"}; row [t, d1 = "n", d2 = "x"]; logits favour "x" everywhere:
+      position 0: allowed "y", "n", "no", ...; x 5 is masked; n 3 is the masked argmax = d1, accepted
+      position 1: after "n" only "o" is allowed; the masked argmax is "o" != d2: the row emits "n", "o"."""
+    m, logits, before = _yes_no_row(backend)
     out = verify_guided_row(backend, m, logits, [N, X], SamplingParams(), None, False, None)
     assert out == [N, O]
     assert int(logits[0].argmax()) == X                      # unmasked, the first position would pick "x"
@@ -120,13 +128,7 @@ def test_native_masks_reject_a_draft_as_verify_guided_row(backend) -> None:
     at most; the native verification emits "n", "o" as verify_guided_row does, and the matcher is where it was."""
     from mtp_core.structured import guided_masks
 
-    m = backend.matcher(("choice", json.dumps(["yes", "no"])))
-    logits = torch.zeros(3, 512)
-    logits[:, X] = 5.0
-    logits[0, N] = 3.0
-    logits[1, O] = 1.0
-    before = backend.new_bitmask()
-    m.matcher.fill_next_token_bitmask(before)
+    m, logits, before = _yes_no_row(backend)
     masks, has, cap = guided_masks(backend, m, [N, X], False, None)
     assert has == [True, True] and cap == 1
     assert torch.equal(masks[0], before[0] & torch.from_numpy(m.allowed))
@@ -203,13 +205,7 @@ def test_guided_requests_stay_on_the_native_step_and_equal_plain_decoding(tiny1_
     ref = LLM(llm_config(d, 0, max_seq_len=256, native_step=False)).generate(texts, plist)
     llm = LLM(llm_config(d, nextn, mode=mode, max_seq_len=256, overlap_scheduler_on_cpu=False, max_batch_size=8))
     eng = llm.engine
-    general = [0]
-    execute = eng.runner.execute
-
-    def recording(rows, meta=None):
-        general[0] += all(not r.is_prefill for r in rows)
-        return execute(rows, meta)
-    eng.runner.execute = recording
+    general = on_the_call(eng)
     out = llm.generate(texts, plist)
     assert [(o.token_ids, o.logprobs) for o in out] == [(o.token_ids, o.logprobs) for o in ref]
     assert general[0] == 0 and eng.native_step.num_replays > 0 and eng.stats.num_draft_accepted > 0
