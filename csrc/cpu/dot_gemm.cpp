@@ -283,6 +283,19 @@ inline float fp8_block_scale(const Mat& W, int64_t n, int64_t kb) {
 }
 inline float post_of(const Mat& W) { return W.fmt == kNVFP4 ? W.gscale2 * 256.0f : 1.0f; }
 
+// A tile's R rows x TT tokens of accumulators -> Y[t * ldy + n + r] (times NVFP4's global scale, plus the bias).
+template <int R, int TT>
+inline void store_tile(const __m512 (&acc)[R][TT], const Mat& W, int64_t n, float* Y, int64_t ldy) {
+  const float post = post_of(W);
+#pragma GCC unroll 8
+  for (int t = 0; t < TT; ++t) {
+    __m512 a[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) a[r] = acc[r][t];
+    store_rows<R>(a, W, n, Y + t * ldy, post);
+  }
+}
+
 // ---- one token: 8 rows in flight, weights decoded in registers ----------------------------------------
 // Prefetch: the rows one tile further than the next (2 x 8 rows ahead), the bytes of this step, into L2
 // (prefetcht1): rows of a few KB are too short for the hardware prefetcher, and L2's miss queue is deeper
@@ -361,14 +374,7 @@ inline void one_tile(const Mat& W, const Dec& dec, const uint16_t* xb, int64_t x
       }
     }
   }
-  const float post = post_of(W);
-#pragma GCC unroll 4
-  for (int t = 0; t < TT; ++t) {
-    __m512 a[R];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) a[r] = acc[r][t];
-    store_rows<R>(a, W, n, Y + t * ldy, post);
-  }
+  store_tile<R, TT>(acc, W, n, Y, ldy);
 }
 
 // One to four tokens: every weight decoded once in registers and used for all of them, R rows in flight (one
@@ -456,14 +462,7 @@ __attribute__((noinline)) void many_tile(const Mat& W, const Panel& P, const uin
       }
     }
   }
-  const float post = post_of(W);
-#pragma GCC unroll 8
-  for (int t = 0; t < TT; ++t) {
-    __m512 a[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) a[r] = acc[r][t];
-    store_rows<R>(a, W, n, Y + (t0 + t) * ldy, post);
-  }
+  store_tile<R, TT>(acc, W, n, Y + t0 * ldy, ldy);
 }
 
 template <int FMT, int R, int TT>
