@@ -219,8 +219,8 @@ class CostPolicy(FixedPolicy):
             if r.start + len(r.next_tokens) <= r.seq.prefill_target:
                 decode_only = False                          # a prefill chunk: this step's drafting is not timed
             j = k if k < c else c
-            lag = _lag(r)
-            if j and lag:
+            lag = _lag(r) if j else 0                        # (a row at 0 drafts nothing: no lag to weigh)
+            if lag:
                 if resume:
                     catchup += lag                           # its MTP caches catch up in this drafting step
                 else:
