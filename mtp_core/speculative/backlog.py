@@ -56,10 +56,10 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_pr
             ) -> list[list[int]]:
     """Each row's next drafts (inp.max_drafts of them, chosen by the policy). Rows whose count is 0 skip the
     drafter and hold their states; rows that lag catch up in their first MTP forward. views_ok: the step's
-    output holds nothing else worth freeing. defer_prompts: prompt chunks that draft nothing hold their states
-    too (the policy drafts nothing at the moment: a request's MTP forward over its prompt waits until it first
-    drafts, and never runs if it does not), up to MAX_MTP_LAG / 2 positions (a longer prompt runs it now, so
-    that the request can still draft later)."""
+    output holds nothing else worth freeing. defer_prompts (the cost policy): prompt chunks given no drafts hold
+    their states too (a request's MTP forward over its prompt waits until it first drafts, and never runs if it
+    does not), up to MAX_MTP_LAG / 2 positions (a longer prompt runs it now, so that the request can still draft
+    later)."""
     drafts: list[list[int]] = [[] for _ in inputs]
     run: list[int] = []
     for n, inp in enumerate(inputs):
