@@ -31,7 +31,8 @@ that many. Two policies (`speculative_config.draft_len_policy`; `make_policy` bu
   the budget it accrued since it was last chosen (1% of throughput, shared by the alternatives) covers
   its expected loss; a re-try never makes lagging rows catch up.
 
-  Catch-up. A row at 0 skips the drafter and its MTP caches lag (see backlog.py); the first step that
+  Catch-up. A row at 0 skips the drafter and its MTP caches lag (see backlog.py; a prompt's last chunk too,
+  whose MTP forward over the prompt waits: `_lag`); the first step that
   drafts for it again runs the MTP forward over every lagging position, c seconds each (measured: the
   drafter's time in such steps beyond its usual time at that count, the median of recent values; before
   that, a k = 0 step's per-row time x MTP modules run / main layers). So the choice compares drafting
