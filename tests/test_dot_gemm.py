@@ -58,8 +58,8 @@ def check(m: Matrix, dense: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def ks(fmt: int) -> list[int]:
-    if fmt == NVFP4:   # every arrangement of 16-input groups in the last 64-input step, 1 to 5 steps
-        return list(range(16, 337, 16))
+    if fmt == NVFP4:   # every count of 16-input groups (1..16) in a row's last 256-input block, after 0 and 1 whole blocks
+        return list(range(16, 529, 16))
     # every K mod 64 with one and two steps, every K mod 128 across FP8 blocks, and three blocks
     return list(range(1, 130)) + [191, 192, 193, 255, 256, 257, 300, 383, 384, 385]
 

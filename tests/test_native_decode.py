@@ -350,11 +350,24 @@ def test_mat_gemm_formats_match_dequantized_weights(n, k) -> None:
 
 
 def test_nvfp4_interleave_round_trips() -> None:
-    for k in (16, 32, 48, 96):
+    for k in (16, 32, 48, 96, 256, 272, 384, 400, 512 + 240):
         p = torch.randint(0, 256, (5, k // 2), dtype=torch.uint8)
         assert torch.equal(nvfp4_layout.deinterleave(nvfp4_layout.interleave(p)), p)
-    p = torch.arange(16, dtype=torch.uint8).view(1, 16) * 17          # codes 0,0,1,1,...,15,15
-    assert nvfp4_layout.interleave(p)[0, 0].item() == 0 | (8 << 4)    # inputs 0 and 16
+
+
+@pytest.mark.parametrize("k", [256, 512 + 16 * 5, 256 + 16 * 12])
+def test_nvfp4_kernel_order_puts_each_groups_halves_in_place(k: int) -> None:
+    # byte i of a checkpoint row holds inputs 2i, 2i+1; in kernel order the dword of inputs [16g + 8h, +8) of
+    # a block with G groups is dword h * G + g of that block (decode_kernels.h)
+    p = (torch.arange(k // 2) % 251).to(torch.uint8).view(1, -1)
+    q = nvfp4_layout.interleave(p)[0]
+    for b in range((k + 255) // 256):
+        G = min(16, k // 16 - 16 * b)
+        for g in range(G):
+            for h in range(2):
+                src = 128 * b + 4 * (2 * g + h)            # the checkpoint's dword of (g, h)
+                dst = 128 * b + 4 * (h * G + g)
+                assert torch.equal(q[dst:dst + 4], p[0, src:src + 4]), (b, g, h)
 
 
 def test_bad_inputs_are_refused() -> None:

@@ -25,9 +25,10 @@ enum Fmt : int { kF32 = 0, kBF16 = 1, kFP8 = 2, kNVFP4 = 3 };
 
 // Layouts of a weight matrix W [N outputs, K inputs].
 //   kRows   W row-major, row n at data + n * ld (the checkpoint's own layout: nn.Linear, FP8 block). NVFP4:
-//           ld bytes per row; within each chunk of 32 inputs byte j holds code j (low nibble) and code
-//           j + 16 (high nibble); a trailing chunk of 16 holds codes j and j + 8 (chunk-interleaved so that
-//           one 16-byte load decodes to two 16-input vectors; mtp_core/kernels/nvfp4_layout.py).
+//           ld bytes per row, the checkpoint's bytes (byte i: codes 2i low nibble, 2i + 1 high) with their
+//           dwords reordered within each block of 256 inputs (G groups of 16: 16, fewer in a row's last
+//           block): the dword of inputs [16g + 8h, 16g + 8h + 8) is dword h * G + g of the block, so one
+//           64-byte load holds a dword of each of 16 groups (mtp_core/kernels/nvfp4_layout.py).
 //   kCols   W stored transposed, [K, N] row-major (input k's row at data + k * ld): y = x @ S for a
 //           stored S. Serves run-time MLA absorption (q_nope x W_UK reads kv_b_proj's rows in place).
 //   kPanel  W packed in 64-row panels, [ceil(N/64), K, 64] (rows past N zero): a repacked copy, used for

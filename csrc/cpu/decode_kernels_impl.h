@@ -4,6 +4,7 @@
 //   and exactly one of MTP_ISA_AVX512 (AVX-512F intrinsics) or nothing (portable 16-lane arrays, which
 //   the compiler vectorizes for the TU's target: AVX2+FMA or plain x86-64).
 // Internal linkage only: nothing here may be merged with another TU's copy compiled for another ISA.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -119,18 +120,17 @@ inline VF vload_fp8_n(const uint8_t* p, int64_t n) {
 inline __m512 e2m1_lut() {
   return _mm512_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f);
 }
-// NVFP4, 16 bytes: lo = the 16 low nibbles' values, hi = the 16 high nibbles' values (e2m1, exact).
-inline void vload_nvfp4_32(const uint8_t* p, VF& lo, VF& hi) {
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m512 lut = e2m1_lut();
-  lo = {_mm512_permutexvar_ps(b, lut)};
-  hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut)};
-}
-// NVFP4, 8 bytes: lanes 0..7 the low nibbles, lanes 8..15 the high nibbles.
-inline VF vload_nvfp4_16(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m512i i = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi32(b, 4), 1);
-  return {_mm512_permutexvar_ps(i, e2m1_lut())};
+// NVFP4, one group of 16 inputs: the codes of its first 8 inputs are the 4 bytes at p0, of its last 8 those at
+// p1 (byte i: inputs 2i low nibble, 2i + 1 high). Each byte goes to two lanes, shifted by 0 and 4; the table
+// lookup reads the low 4 bits (e2m1, exact).
+inline VF vload_nvfp4_group(const uint8_t* p0, const uint8_t* p1) {
+  uint32_t a, b;
+  std::memcpy(&a, p0, 4);
+  std::memcpy(&b, p1, 4);
+  const __m128i x = _mm_cvtsi64_si128(static_cast<long long>((static_cast<uint64_t>(b) << 32) | a));
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x, x));
+  const __m512i c = _mm512_srlv_epi32(d, _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4));
+  return {_mm512_permutexvar_ps(c, e2m1_lut())};
 }
 #else
 inline float bf16_to_f32(uint16_t b) {
@@ -284,20 +284,12 @@ inline VF vload_fp8_n(const uint8_t* p, int64_t n) {
   for (int i = 0; i < kLanes; ++i) r.v[i] = i < n ? kE4m3.v[p[i]] * (1.0f / 256.0f) : 0.f;
   return from_lanes(r);
 }
-inline void vload_nvfp4_32(const uint8_t* p, VF& lo, VF& hi) {
-  Lanes a, b;
-  for (int i = 0; i < kLanes; ++i) {
-    a.v[i] = e2m1_value(p[i]);
-    b.v[i] = e2m1_value(p[i] >> 4);
-  }
-  lo = from_lanes(a);
-  hi = from_lanes(b);
-}
-inline VF vload_nvfp4_16(const uint8_t* p) {
+inline VF vload_nvfp4_group(const uint8_t* p0, const uint8_t* p1) {
   Lanes r;
   for (int i = 0; i < 8; ++i) {
-    r.v[i] = e2m1_value(p[i]);
-    r.v[i + 8] = e2m1_value(p[i] >> 4);
+    const uint8_t byte = i < 4 ? p0[i] : p1[i - 4];
+    r.v[2 * i] = e2m1_value(byte);
+    r.v[2 * i + 1] = e2m1_value(byte >> 4);
   }
   return from_lanes(r);
 }
@@ -370,19 +362,21 @@ struct RowDec<kFP8> {
 };
 template <>
 struct RowDec<kNVFP4> {
-  // chunk-interleaved codes (decode_kernels.h): inputs [32j, 32j + 32) are 16 bytes, low nibbles the first
-  // 16 inputs, high nibbles the next 16; a trailing [32j, 32j + 16) is 8 bytes (low: 8 inputs, high: 8).
+  // codes in the kernels' order (decode_kernels.h): in a block of 256 inputs with G groups (16; fewer in a
+  // row's last block) the 4 bytes of inputs [16g + 8h, 16g + 8h + 8) are dword h * G + g of the block.
+  static VF group(const Mat& W, int64_t n, int64_t g) {
+    const int64_t b = g / 16, gi = g % 16, G = std::min<int64_t>(16, W.k / 16 - 16 * b);
+    const uint8_t* base = static_cast<const uint8_t*>(W.data) + n * W.ld + 128 * b;
+    return vmul(vload_nvfp4_group(base + 4 * gi, base + 4 * (G + gi)),
+                vset1(kE4m3.v[W.gscale[n * W.gscale_ld + g]]));
+  }
   static void get2(const Mat& W, int64_t n, int64_t j, VF& a, VF& b) {
-    const uint8_t* p = static_cast<const uint8_t*>(W.data) + n * W.ld + 16 * j;
-    const uint8_t* g = W.gscale + n * W.gscale_ld + 2 * j;
-    vload_nvfp4_32(p, a, b);
-    a = vmul(a, vset1(kE4m3.v[g[0]]));
-    b = vmul(b, vset1(kE4m3.v[g[1]]));
+    a = group(W, n, 2 * j);
+    b = group(W, n, 2 * j + 1);
   }
   static void tail2(const Mat& W, int64_t n, int64_t j, int64_t left, VF& a, VF& b) {
     (void)left;   // K is a multiple of 16: the tail is exactly 16 inputs
-    const uint8_t* p = static_cast<const uint8_t*>(W.data) + n * W.ld + 16 * j;
-    a = vmul(vload_nvfp4_16(p), vset1(kE4m3.v[W.gscale[n * W.gscale_ld + 2 * j]]));
+    a = group(W, n, 2 * j);
     b = vzero();
   }
 };

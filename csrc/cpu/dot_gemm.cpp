@@ -9,15 +9,17 @@
 //   FP8    the 64 bytes are looked up twice (vpermi2b: the bf16's low and high byte of each e4m3 magnitude,
 //          the sign or-ed in) and interleaved per 128-bit lane: w0 = inputs [0-7, 16-23, 32-39, 48-55],
 //          w1 = [8-15, 24-31, 40-47, 56-63].
-//   NVFP4  32 bytes of codes (two chunk-interleaved 32-input chunks, decode_kernels.h): low nibbles, then high
-//          nibbles, one byte each; two 16-entry lookups (vpshufb) give the bf16 bytes, interleaved per lane:
-//          w0 = inputs [0-7, 32-39, 16-23, 48-55], w1 = [8-15, 40-47, 24-31, 56-63]. So fp32 lanes 0-3 hold
-//          group 0 (of the step's 4 groups of 16), lanes 4-7 group 2, 8-11 group 1, 12-15 group 3: the
-//          partial sum of each step is multiplied by the vector of its groups' scales.
+//   NVFP4  steps follow the blocks of 256 inputs (16 groups of 16; decode_kernels.h's dword order): a chunk
+//          of 64 bytes holds one dword (8 inputs) of each of 16 groups, so dword l, i.e. words 2l and 2l + 1,
+//          and fp32 lane l belong to group l. A step takes two of the 4 nibbles of each 16-bit word (shift,
+//          then a 32-entry word lookup, vpermw, whose index bit 4 the duplicated table ignores): w0 nibble
+//          q = 2p, w1 nibble q + 1, p = 0 / 1 for the chunk's two steps, 4 steps per block. A row's last block
+//          of G < 16 groups takes 4 masked steps (G > 8) or 2 steps over both halves in one chunk (G <= 8:
+//          lane l group l % G). The group scales multiply each block's fp32 partial sums once per block.
 //
 // Per output: bf16   acc += w.x over every step in order;
 //             FP8    blk += w.x over the two steps of a 128-input block, acc = fma(blk, block scale, acc);
-//             NVFP4  acc = fma(w.x of the step, its group-scale vector, acc);
+//             NVFP4  blk += w.x over the steps of a 256-input block, acc = fma(blk, its group-scale vector, acc);
 // then a fixed tree over the 16 lanes, times the global scale (NVFP4), plus the bias. One token (decode)
 // decodes each weight in registers with 8 rows in flight; several tokens decode a tile of 4 rows once into
 // bf16 scratch (bf16 weights are read in place) and run register tiles of 4 rows x up to 6 (bf16) or 3 tokens
@@ -43,6 +45,62 @@ enum Order : int { kNatural = 0, kFp8Order = 1, kNvfp4Order = 2 };
 
 inline int order_of(int fmt) { return fmt == kFP8 ? kFp8Order : fmt == kNVFP4 ? kNvfp4Order : kNatural; }
 inline int64_t steps_of(int64_t K) { return (K + kStep - 1) / kStep; }
+
+// ---- NVFP4 step geometry --------------------------------------------------------------------------------
+// A row of K inputs: nb blocks of 256 (4 steps each), then a last block of gt groups (0: none; 4 steps if
+// gt > 8, 2 if gt <= 8).
+struct Nv4Geo {
+  int64_t nb, gt, steps;
+  __m512i tail_idx;   // gt <= 8: lane l takes group l % gt's scale
+  explicit Nv4Geo(int64_t K)
+      : nb(K / 256), gt((K % 256) / 16), steps(4 * (K / 256) + (gt == 0 ? 0 : gt > 8 ? 4 : 2)) {
+    alignas(64) int32_t idx[16];
+    for (int l = 0; l < 16; ++l) idx[l] = gt > 0 ? static_cast<int32_t>(l % gt) : l;
+    tail_idx = _mm512_load_si512(idx);
+  }
+};
+struct Nv4Step {
+  int64_t off;    // byte offset of the step's chunk in the row
+  __mmask16 m;    // its dwords
+  int qp;         // nibbles 2 qp (w0) and 2 qp + 1 (w1) of each word
+  bool end;       // the last step of its block: the group scales apply
+  int64_t block;  // 256-input block
+  int G;          // groups in the block
+};
+inline __mmask16 mask16(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u); }
+inline Nv4Step nv4_step(const Nv4Geo& g, int64_t s) {
+  if (s < 4 * g.nb) {
+    const int i = static_cast<int>(s & 3);
+    return {128 * (s >> 2) + 64 * (i >> 1), static_cast<__mmask16>(0xFFFF), i & 1, i == 3, s >> 2, 16};
+  }
+  const int i = static_cast<int>(s - 4 * g.nb), G = static_cast<int>(g.gt);
+  if (G > 8) return {128 * g.nb + 4 * G * (i >> 1), mask16(G), i & 1, i == 3, g.nb, G};
+  return {128 * g.nb, mask16(2 * G), i, i == 1, g.nb, G};
+}
+// The input (within its block, or -1) at slot z (0..63: w0's words, then w1's) of step i of a block of G
+// groups, for the activations' order.
+inline int nv4_slot_input(int i, int G, int z) {
+  const int k = z / 32, l = (z % 32) / 2, h = z % 2;
+  int c, g, qp;
+  if (G > 8) {
+    if (l >= G) return -1;
+    c = i >> 1, g = l, qp = i & 1;
+  } else {
+    if (l >= 2 * G) return -1;
+    c = l / G, g = l % G, qp = i;
+  }
+  return 16 * g + 8 * c + 4 * h + 2 * qp + k;
+}
+struct Nv4Slots {   // [G][4 steps][64 slots], G = 0 standing for a whole block of 16
+  int16_t in[16][4][64];
+  Nv4Slots() : in() {
+    for (int G = 0; G < 16; ++G)
+      for (int i = 0; i < 4; ++i)
+        for (int z = 0; z < 64; ++z) in[G][i][z] = static_cast<int16_t>(nv4_slot_input(i, G == 0 ? 16 : G, z));
+  }
+};
+const Nv4Slots kNv4Slots{};
+inline int64_t steps_for(int64_t K, int fmt) { return fmt == kNVFP4 ? Nv4Geo(K).steps : steps_of(K); }
 inline __mmask64 mask64(int64_t n) { return n >= 64 ? ~0ULL : ((1ULL << n) - 1ULL); }
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : ((1u << n) - 1u); }
 
@@ -130,26 +188,17 @@ struct Fp8Dec {
 };
 
 struct Nvfp4Dec {
-  static constexpr int64_t kBytes = 32;
-  __m512i lo, hi;
-  __m256i nib;
-  Nvfp4Dec()
-      : lo(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1Bytes.lo)))),
-        hi(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kE2m1Bytes.hi)))),
-        nib(_mm256_set1_epi8(0x0F)) {}
-  void decode(__m256i b, __m512i& w0, __m512i& w1) const {
-    const __m256i l = _mm256_and_si256(b, nib);
-    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
-    const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(l), h, 1);
-    const __m512i bl = _mm512_shuffle_epi8(lo, z), bh = _mm512_shuffle_epi8(hi, z);
-    w0 = _mm512_unpacklo_epi8(bl, bh);
-    w1 = _mm512_unpackhi_epi8(bl, bh);
+  static constexpr int64_t kBytes = 32;   // stored bytes per step, on average (the prefetch's stride)
+  __m512i tab;                            // bf16 of e2m1 code (i & 15), i < 32
+  Nvfp4Dec() : tab(_mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kE2m1Bf16)))) {}
+  template <int QP>   // nibbles 2 QP and 2 QP + 1 of each word
+  void step(const char* row, const Nv4Step& st, __m512i& w0, __m512i& w1) const {
+    const __m512i v = _mm512_maskz_loadu_epi32(st.m, row + st.off);
+    w0 = _mm512_permutexvar_epi16(QP ? _mm512_srli_epi16(v, 8) : v, tab);
+    w1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(v, QP ? 12 : 4), tab);
   }
-  void full(const char* p, __m512i& w0, __m512i& w1) const {
-    decode(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), w0, w1);
-  }
-  void part(const char* p, int64_t rem, __m512i& w0, __m512i& w1) const {   // rem inputs = rem / 2 bytes
-    decode(_mm256_maskz_loadu_epi8(mask32(rem / 2), p), w0, w1);
+  void step(const char* row, const Nv4Step& st, __m512i& w0, __m512i& w1) const {
+    if (st.qp) step<1>(row, st, w0, w1); else step<0>(row, st, w0, w1);
   }
 };
 
@@ -159,47 +208,16 @@ inline void decode_step(const Dec& dec, const char* row, int64_t s, int64_t K, _
   if (rem >= kStep) dec.full(row + Dec::kBytes * s, w0, w1); else dec.part(row + Dec::kBytes * s, rem, w0, w1);
 }
 
-// NVFP4: the input (within the step, or -1) whose code sits at decode slot z (0..63: byte z % 32, low nibble
-// for z < 32, high for z >= 32) of a step with `rem` inputs left in the row. Chunks of 32 inputs hold inputs
-// j and j + 16 in byte j; a trailing chunk of 16 holds j and j + 8 (decode_kernels.h).
-inline int nvfp4_slot_input(int z, int64_t rem) {
-  const int j = z % 32, nib = z / 32, ci = j / 16, jj = j % 16;
-  if (32 * ci + 32 <= rem) return 32 * ci + jj + 16 * nib;
-  if (32 * ci + 16 == rem && jj < 8) return 32 * ci + jj + 8 * nib;
-  return -1;
-}
-// The slot of a full step that holds input i (the inverse of nvfp4_slot_input for rem >= 64).
-inline int nvfp4_full_slot(int i) { return (i / 32) * 16 + (i % 16) + (i % 32 >= 16 ? 32 : 0); }
-
-// NVFP4 group scales of row n as fp32 (value / 256: e4m3 through the fp16 converter, exact), K/16 of them
-// followed by at least 16 zeros.
-inline void nvfp4_row_scales(const Mat& W, int64_t n, float* out) {
-  const uint8_t* g = W.gscale + n * W.gscale_ld;
-  const int64_t groups = W.k / 16;
-  for (int64_t i = 0; i < groups + 16; i += 16) {
-    const int64_t left = groups - i;
-    const __m128i b = left >= 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i))
-                                 : left > 0 ? _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << left) - 1u), g + i)
-                                            : _mm_setzero_si128();
-    const __m256i w = _mm256_cvtepi8_epi16(b);
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
-    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(h));
-  }
-}
-// The step's vector of group scales: lanes 0-3 group 0, 4-7 group 2, 8-11 group 1, 12-15 group 3 (a full
-// step); a partial last step takes each lane's group from the slots it holds.
-inline __m512 nvfp4_step_scales(const float* sc, int64_t s, int64_t K) {
-  const int64_t rem = K - kStep * s;
-  if (rem >= kStep)
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 1, 1, 1, 1, 3, 3, 3, 3),
-                                 _mm512_loadu_ps(sc + 4 * s));
-  alignas(64) float v[16];
-  for (int l = 0; l < 16; ++l) {
-    const int z = 16 * (l / 4) + 2 * (l % 4);   // w0's first slot in lane l (w1's slots share its group)
-    const int in = nvfp4_slot_input(z, rem);
-    v[l] = in < 0 ? 0.f : sc[4 * s + in / 16];
-  }
-  return _mm512_load_ps(v);
+// NVFP4: the group scales of row n's block (st.block), lane l's group's in lane l (G <= 8: group l % G, lanes
+// past 2G zero), as fp32 value / 256 (e4m3 through the fp16 converter, exact: the global scale carries 256).
+inline __m512 nv4_scales(const Mat& W, int64_t n, const Nv4Step& st, const Nv4Geo& geo) {
+  const uint8_t* g = W.gscale + n * W.gscale_ld + 16 * st.block;
+  const __m128i b = st.G == 16 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(g)) : _mm_maskz_loadu_epi8(mask16(st.G), g);
+  const __m256i w = _mm256_cvtepi8_epi16(b);
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBFFF)));
+  const __m512 v = _mm512_cvtph_ps(h);
+  if (st.G > 8) return v;
+  return _mm512_maskz_permutexvar_ps(mask16(2 * st.G), geo.tail_idx, v);
 }
 
 // ---- activations -------------------------------------------------------------------------------------
@@ -211,13 +229,34 @@ inline void cvt_step(const float* x, int order, uint16_t* out) {
   if (order != kNatural) {   // 128-bit lanes (8 inputs each): FP8 [n0.0 n0.2 n1.0 n1.2], [n0.1 n0.3 n1.1 n1.3]
     a = _mm512_shuffle_i64x2(n0, n1, _MM_SHUFFLE(2, 0, 2, 0));
     b = _mm512_shuffle_i64x2(n0, n1, _MM_SHUFFLE(3, 1, 3, 1));
-    if (order == kNvfp4Order) {   // NVFP4 [n0.0 n1.0 n0.2 n1.2], [n0.1 n1.1 n0.3 n1.3]
-      a = _mm512_shuffle_i64x2(a, a, _MM_SHUFFLE(3, 1, 2, 0));
-      b = _mm512_shuffle_i64x2(b, b, _MM_SHUFFLE(3, 1, 2, 0));
-    }
   }
   _mm512_storeu_si512(out, a);
   _mm512_storeu_si512(out + 32, b);
+}
+
+// NVFP4: X [T, K] -> out [T, ld] bf16, slot z of step s holding the input its weight slot holds (nv4_slot_input).
+// Rounded in natural order first (the same rounding as the other orders), then placed word by word.
+void convert_acts_nv4(const Rows& X, int64_t K, uint16_t* out, int64_t ld, uint16_t* nat) {
+  const Nv4Geo geo(K);
+  const int64_t full = K / kStep;
+  alignas(64) float tmp[kStep];
+  for (int64_t t = 0; t < X.T; ++t) {
+    const float* x = X.x + (X.xrows ? X.xrows[t] : t) * X.ldx;
+    for (int64_t s = 0; s < full; ++s) cvt_step(x + kStep * s, kNatural, nat + kStep * s);
+    if (K > kStep * full) {
+      std::memset(tmp, 0, sizeof(tmp));
+      std::memcpy(tmp, x + kStep * full, sizeof(float) * (K - kStep * full));
+      cvt_step(tmp, kNatural, nat + kStep * full);
+    }
+    uint16_t* o = out + t * ld;
+    for (int64_t s = 0; s < geo.steps; ++s) {
+      const Nv4Step st = nv4_step(geo, s);
+      const int i = static_cast<int>(s < 4 * geo.nb ? s & 3 : s - 4 * geo.nb);
+      const int16_t* in = kNv4Slots.in[st.G == 16 ? 0 : st.G][i];
+      const uint16_t* blk = nat + 256 * st.block;
+      for (int z = 0; z < 64; ++z) o[kStep * s + z] = in[z] < 0 ? 0 : blk[in[z]];
+    }
+  }
 }
 
 // X [T, K] -> out [T, ld] bf16 in `order` (ld = 64 * steps; zeros past K).
@@ -229,22 +268,8 @@ void convert_acts(const Rows& X, int64_t K, int order, uint16_t* out, int64_t ld
     uint16_t* o = out + t * ld;
     for (int64_t s = 0; s < full; ++s) cvt_step(x + kStep * s, order, o + kStep * s);
     if (steps > full) {
-      const int64_t rem = K - kStep * full;
-      const float* xs = x + kStep * full;
       std::memset(tmp, 0, sizeof(tmp));
-      if (order == kNvfp4Order) {   // slot z holds input nvfp4_slot_input(z): place it where a full step has z
-        for (int z = 0; z < 64; ++z) {
-          const int in = nvfp4_slot_input(z, rem);
-          if (in >= 0) {
-            // a full step's slot z holds input i with nvfp4_full_slot(i) == z
-            int i = 0;
-            while (nvfp4_full_slot(i) != z) ++i;
-            tmp[i] = xs[in];
-          }
-        }
-      } else {
-        std::memcpy(tmp, xs, sizeof(float) * rem);
-      }
+      std::memcpy(tmp, x + kStep * full, sizeof(float) * (K - kStep * full));
       cvt_step(tmp, order, o + kStep * full);
     }
   }
@@ -303,8 +328,7 @@ inline void store_tile(const __m512 (&acc)[R][TT], const Mat& W, int64_t n, floa
 constexpr int kPfTiles = 2;
 
 template <int FMT, int R, int TT, typename Dec>
-inline void one_tile(const Mat& W, const Dec& dec, const uint16_t* xb, int64_t xld, int64_t n, float* Y, int64_t ldy,
-                     float* sc) {
+inline void one_tile(const Mat& W, const Dec& dec, const uint16_t* xb, int64_t xld, int64_t n, float* Y, int64_t ldy) {
   constexpr bool kBlk = FMT == kFP8;
   __m512 acc[R][TT], blk[kBlk ? R : 1][kBlk ? TT : 1];
 #pragma GCC unroll 16
@@ -316,26 +340,18 @@ inline void one_tile(const Mat& W, const Dec& dec, const uint16_t* xb, int64_t x
     for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
       for (int t = 0; t < TT; ++t) blk[r][t] = _mm512_setzero_ps();
-  const int64_t K = W.k, steps = steps_of(K), full = K / kStep, sc_ld = K / 16 + 32;
+  const int64_t K = W.k, steps = steps_of(K), full = K / kStep;
   const char* rp[R];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) rp[r] = row_ptr(W, n + r);
   const char* pf = row_ptr(W, n + kPfTiles * R);
   const int64_t rb = row_ptr(W, 1) - row_ptr(W, 0);
-  if (FMT == kNVFP4) {
-    for (int r = 0; r < R; ++r) nvfp4_row_scales(W, n + r, sc + r * sc_ld);
-    // and the group scales of the rows the prefetch below brings (K / 16 bytes each)
-    for (int r = 0; r < R; ++r)
-      for (int64_t b = 0; b < K / 16; b += 64) __builtin_prefetch(W.gscale + (n + kPfTiles * R + r) * W.gscale_ld + b, 0, 2);
-  }
   for (int64_t s = 0; s < steps; ++s) {
-    if (FMT != kNVFP4 || (s & 1) == 0) {
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const char* a = pf + r * rb + Dec::kBytes * s;
-        __builtin_prefetch(a, 0, 2);
-        if (Dec::kBytes > 64) __builtin_prefetch(a + 64, 0, 2);
-      }
+    for (int r = 0; r < R; ++r) {
+      const char* a = pf + r * rb + Dec::kBytes * s;
+      __builtin_prefetch(a, 0, 2);
+      if (Dec::kBytes > 64) __builtin_prefetch(a + 64, 0, 2);
     }
     __m512i x0[TT], x1[TT];
 #pragma GCC unroll 4
@@ -348,16 +364,10 @@ inline void one_tile(const Mat& W, const Dec& dec, const uint16_t* xb, int64_t x
     for (int r = 0; r < R; ++r) {
       __m512i w0, w1;
       if (whole) dec.full(rp[r] + Dec::kBytes * s, w0, w1); else dec.part(rp[r] + Dec::kBytes * s, K - kStep * s, w0, w1);
-      if constexpr (FMT == kNVFP4) {
-        const __m512 sv = nvfp4_step_scales(sc + r * sc_ld, s, K);
 #pragma GCC unroll 4
-        for (int t = 0; t < TT; ++t) acc[r][t] = _mm512_fmadd_ps(dp(dp(_mm512_setzero_ps(), w0, x0[t]), w1, x1[t]), sv, acc[r][t]);
-      } else {
-#pragma GCC unroll 4
-        for (int t = 0; t < TT; ++t) {
-          if constexpr (kBlk) blk[r][t] = dp(dp(blk[r][t], w0, x0[t]), w1, x1[t]);
-          else acc[r][t] = dp(dp(acc[r][t], w0, x0[t]), w1, x1[t]);
-        }
+      for (int t = 0; t < TT; ++t) {
+        if constexpr (kBlk) blk[r][t] = dp(dp(blk[r][t], w0, x0[t]), w1, x1[t]);
+        else acc[r][t] = dp(dp(acc[r][t], w0, x0[t]), w1, x1[t]);
       }
     }
     if constexpr (kBlk) {
@@ -377,17 +387,81 @@ inline void one_tile(const Mat& W, const Dec& dec, const uint16_t* xb, int64_t x
   store_tile<R, TT>(acc, W, n, Y, ldy);
 }
 
+// One NVFP4 step of R rows x TT tokens: blk += w.x.
+template <int QP, int R, int TT>
+inline void nv4_rows(const Nvfp4Dec& dec, const Nv4Step& st, const char* const (&rp)[R], const uint16_t* xs, int64_t xld,
+                     __m512 (&blk)[R][TT]) {
+  __m512i x0[TT], x1[TT];
+#pragma GCC unroll 4
+  for (int t = 0; t < TT; ++t) {
+    x0[t] = _mm512_loadu_si512(xs + t * xld);
+    x1[t] = _mm512_loadu_si512(xs + t * xld + 32);
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    __m512i w0, w1;
+    dec.step<QP>(rp[r], st, w0, w1);
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) blk[r][t] = dp(dp(blk[r][t], w0, x0[t]), w1, x1[t]);
+  }
+}
+
+// NVFP4, the same in its steps: blk += w.x over a block's steps, then acc = fma(blk, the block's scales, acc).
+template <int R, int TT>
+inline void nv4_tile(const Mat& W, const Nvfp4Dec& dec, const Nv4Geo& geo, const uint16_t* xb, int64_t xld, int64_t n,
+                     float* Y, int64_t ldy) {
+  __m512 acc[R][TT], blk[R][TT];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < TT; ++t) acc[r][t] = blk[r][t] = _mm512_setzero_ps();
+  const char* rp[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) rp[r] = row_ptr(W, n + r);
+  const char* pf = row_ptr(W, n + kPfTiles * R);
+  const int64_t rb = row_ptr(W, 1) - row_ptr(W, 0);
+  // the group scales of the rows the prefetch below brings (K / 16 bytes each)
+  for (int r = 0; r < R; ++r)
+    for (int64_t b = 0; b < W.k / 16; b += 64) __builtin_prefetch(W.gscale + (n + kPfTiles * R + r) * W.gscale_ld + b, 0, 2);
+  for (int64_t s = 0; s < geo.steps; ++s) {
+    if ((s & 1) == 0) {
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) __builtin_prefetch(pf + r * rb + Nvfp4Dec::kBytes * s, 0, 2);
+    }
+    const Nv4Step st = nv4_step(geo, s);
+    if (st.qp) nv4_rows<1, R, TT>(dec, st, rp, xb + kStep * s, xld, blk);
+    else nv4_rows<0, R, TT>(dec, st, rp, xb + kStep * s, xld, blk);
+    if (st.end) {
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512 sv = nv4_scales(W, n + r, st, geo);
+#pragma GCC unroll 4
+        for (int t = 0; t < TT; ++t) {
+          acc[r][t] = _mm512_fmadd_ps(blk[r][t], sv, acc[r][t]);
+          blk[r][t] = _mm512_setzero_ps();
+        }
+      }
+    }
+  }
+  store_tile<R, TT>(acc, W, n, Y, ldy);
+}
+
 // One to four tokens: every weight decoded once in registers and used for all of them, R rows in flight (one
-// token: 8, a memory-bound GEMV; more: 4, or 2 where FP8's two accumulators per output would not fit the
-// register file).
+// token: 8, a memory-bound GEMV; more: 4, or 2 where two accumulators per output (FP8, NVFP4) would not fit
+// the register file).
 template <int FMT, int TT, typename Dec>
-void gemm_few(const Mat& W, const uint16_t* xb, int64_t xld, int64_t n0, int64_t n1, float* Y, int64_t ldy,
-              float* sc) {
-  constexpr int R = TT == 1 ? 8 : (FMT == kFP8 && TT > 2) ? 2 : 4;
+void gemm_few(const Mat& W, const uint16_t* xb, int64_t xld, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
+  constexpr int R = TT == 1 ? 8 : (FMT != kBF16 && TT > 2) ? 2 : 4;
   const Dec dec;
   int64_t n = n0;
-  for (; n + R <= n1; n += R) one_tile<FMT, R, TT>(W, dec, xb, xld, n, Y, ldy, sc);
-  for (; n < n1; ++n) one_tile<FMT, 1, TT>(W, dec, xb, xld, n, Y, ldy, sc);
+  if constexpr (FMT == kNVFP4) {
+    const Nv4Geo geo(W.k);
+    for (; n + R <= n1; n += R) nv4_tile<R, TT>(W, dec, geo, xb, xld, n, Y, ldy);
+    for (; n < n1; ++n) nv4_tile<1, TT>(W, dec, geo, xb, xld, n, Y, ldy);
+  } else {
+    for (; n + R <= n1; n += R) one_tile<FMT, R, TT>(W, dec, xb, xld, n, Y, ldy);
+    for (; n < n1; ++n) one_tile<FMT, 1, TT>(W, dec, xb, xld, n, Y, ldy);
+  }
 }
 
 // ---- several tokens: R rows decoded once (bf16: read in place), register tiles of R rows x TT tokens ---
@@ -412,7 +486,8 @@ __attribute__((noinline)) void many_tile(const Mat& W, const Panel& P, const uin
   for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 8
     for (int t = 0; t < TB; ++t) blk[r][t] = _mm512_setzero_ps();
-  const int64_t K = W.k, steps = steps_of(K), full = K / kStep;
+  const int64_t K = W.k, steps = steps_for(K, FMT), full = K / kStep;
+  const Nv4Geo geo(K);
   const uint16_t* xp[TT];
 #pragma GCC unroll 8
   for (int t = 0; t < TT; ++t) xp[t] = xb + (t0 + t) * xld;
@@ -448,7 +523,7 @@ __attribute__((noinline)) void many_tile(const Mat& W, const Panel& P, const uin
       }
     }
     if constexpr (kBlk) {
-      if (FMT == kNVFP4 || (s & 1) || s == steps - 1) {
+      if (FMT == kNVFP4 ? nv4_step(geo, s).end : (s & 1) || s == steps - 1) {
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m512 sv = FMT == kNVFP4 ? _mm512_loadu_ps(P.S + (r * steps + s) * 16)
@@ -485,6 +560,8 @@ struct Scratch {   // per thread, grown as needed, never shrunk
   int64_t w_cap = 0;
   float* f = nullptr;
   int64_t f_cap = 0;
+  uint16_t* n = nullptr;   // NVFP4: a token's activations in natural order
+  int64_t n_cap = 0;
   template <typename T>
   static T* grow(T*& p, int64_t& cap, int64_t n) {
     if (n > cap) {
@@ -499,6 +576,7 @@ struct Scratch {   // per thread, grown as needed, never shrunk
     std::free(x);
     std::free(w);
     std::free(f);
+    std::free(n);
   }
 };
 thread_local Scratch tls;
@@ -507,12 +585,12 @@ template <int FMT, typename Dec>
 void gemm_many(const Mat& W, const uint16_t* xb, int64_t xld, int64_t T, int64_t n0, int64_t n1, float* Y,
                int64_t ldy) {
   constexpr int R = 4, TT = FMT == kBF16 ? 6 : 3;
-  const int64_t K = W.k, steps = steps_of(K), ld = kStep * steps;
+  const int64_t K = W.k, steps = steps_for(K, FMT), ld = kStep * steps;
+  const Nv4Geo geo(K);
   // tokens in blocks whose activations stay in L2 while every row tile passes over them
   const int64_t tblk = std::max<int64_t>(8 * TT, (768 << 10) / (2 * ld) / TT * TT);
   uint16_t* ws = FMT == kBF16 ? nullptr : Scratch::grow(tls.w, tls.w_cap, R * ld);
-  float* S = FMT == kNVFP4 ? Scratch::grow(tls.f, tls.f_cap, R * steps * 16 + (K / 16 + 32)) : nullptr;
-  float* sc = FMT == kNVFP4 ? S + R * steps * 16 : nullptr;
+  float* S = FMT == kNVFP4 ? Scratch::grow(tls.f, tls.f_cap, R * steps * 16) : nullptr;
   const Dec dec;
   for (int64_t ta = 0; ta < T; ta += tblk) {
     const int64_t tb = std::min(T, ta + tblk);
@@ -524,13 +602,17 @@ void gemm_many(const Mat& W, const uint16_t* xb, int64_t xld, int64_t T, int64_t
       } else {
         for (int64_t r = 0; r < rows; ++r) {
           const char* row = row_ptr(W, n + r);
-          if (FMT == kNVFP4) nvfp4_row_scales(W, n + r, sc);
           for (int64_t s = 0; s < steps; ++s) {
             __m512i w0, w1;
-            decode_step(dec, row, s, K, w0, w1);
+            if constexpr (FMT == kNVFP4) {
+              const Nv4Step st = nv4_step(geo, s);
+              dec.step(row, st, w0, w1);
+              if (st.end) _mm512_store_ps(S + (r * steps + s) * 16, nv4_scales(W, n + r, st, geo));
+            } else {
+              decode_step(dec, row, s, K, w0, w1);
+            }
             _mm512_store_si512(ws + r * ld + kStep * s, w0);
             _mm512_store_si512(ws + r * ld + kStep * s + 32, w1);
-            if (FMT == kNVFP4) _mm512_store_ps(S + (r * steps + s) * 16, nvfp4_step_scales(sc, s, K));
           }
         }
         P = Panel{ws, ld, false, S};
@@ -633,12 +715,11 @@ template <int FMT, typename Dec>
 void gemm_fmt(const Mat& W, const uint16_t* xb, int64_t ld, int64_t T, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
   // bf16 weights need no decode: tiles over the rows in place for any T > 1. FP8 / NVFP4: up to 4 tokens
   // decode in registers (a verify window reads its weights once); more decode a tile of rows once into scratch.
-  float* sc = FMT == kNVFP4 ? Scratch::grow(tls.f, tls.f_cap, 8 * (W.k / 16 + 32)) : nullptr;
   switch (T == 1 ? 1 : FMT == kBF16 ? 0 : T) {
-    case 1: return gemm_few<FMT, 1, Dec>(W, xb, ld, n0, n1, Y, ldy, sc);
-    case 2: return gemm_few<FMT, 2, Dec>(W, xb, ld, n0, n1, Y, ldy, sc);
-    case 3: return gemm_few<FMT, 3, Dec>(W, xb, ld, n0, n1, Y, ldy, sc);
-    case 4: return gemm_few<FMT, 4, Dec>(W, xb, ld, n0, n1, Y, ldy, sc);
+    case 1: return gemm_few<FMT, 1, Dec>(W, xb, ld, n0, n1, Y, ldy);
+    case 2: return gemm_few<FMT, 2, Dec>(W, xb, ld, n0, n1, Y, ldy);
+    case 3: return gemm_few<FMT, 3, Dec>(W, xb, ld, n0, n1, Y, ldy);
+    case 4: return gemm_few<FMT, 4, Dec>(W, xb, ld, n0, n1, Y, ldy);
     default: return gemm_many<FMT, Dec>(W, xb, ld, T, n0, n1, Y, ldy);
   }
 }
@@ -652,6 +733,11 @@ void gemm_acts(const Mat& W, const uint16_t* xb, int64_t ld, int64_t T, int64_t 
     case kNVFP4: gemm_fmt<kNVFP4, Nvfp4Dec>(W, xb, ld, T, n0, n1, Y, ldy); break;
     default: break;
   }
+}
+
+void fill_acts(const Rows& X, int64_t K, int fmt, uint16_t* out, int64_t ld) {
+  if (fmt != kNVFP4) return convert_acts(X, K, order_of(fmt), out, ld);
+  convert_acts_nv4(X, K, out, ld, Scratch::grow(tls.n, tls.n_cap, kStep * steps_of(K)));
 }
 
 bool dot_probe() {
@@ -671,18 +757,18 @@ bool dot_usable() {
 
 void dot_gemm(const Mat& W, const Rows& X, int64_t n0, int64_t n1, float* Y, int64_t ldy) {
   if (X.T == 0 || n1 <= n0) return;
-  const int64_t ld = kStep * steps_of(W.k);
+  const int64_t ld = kStep * steps_for(W.k, W.fmt);
   uint16_t* xb = Scratch::grow(tls.x, tls.x_cap, X.T * ld);
-  convert_acts(X, W.k, order_of(W.fmt), xb, ld);
+  fill_acts(X, W.k, W.fmt, xb, ld);
   gemm_acts(W, xb, ld, X.T, n0, n1, Y, ldy);
 }
 
 DotActs::~DotActs() { std::free(p_); }
 
 void DotActs::fill(const Rows& X, int64_t K, int fmt) {
-  ld_ = kStep * steps_of(K);
+  ld_ = kStep * steps_for(K, fmt);
   Scratch::grow(p_, cap_, std::max<int64_t>(1, X.T) * ld_);
-  convert_acts(X, K, order_of(fmt), p_, ld_);
+  fill_acts(X, K, fmt, p_, ld_);
   T_ = X.T;
   K_ = K;
   fmt_ = fmt;

@@ -1,43 +1,45 @@
 """The NVFP4 code order the native CPU kernels read (csrc/cpu/decode_kernels.h: kRows, kNVFP4).
 
-A checkpoint packs two e2m1 codes per byte in input order (byte j: inputs 2j low nibble, 2j+1 high). The
-kernels want one 16-byte load to decode into two vectors of 16 consecutive inputs, each a whole scale
-group, so within every chunk of 32 inputs byte j holds inputs j (low) and j + 16 (high); a trailing chunk
-of 16 inputs holds j and j + 8. Same bytes, same shape [N, K/2]: a permutation within each row.
+A checkpoint packs two e2m1 codes per byte in input order (byte j: inputs 2j low nibble, 2j+1 high), so every
+4 bytes (a dword) hold 8 consecutive inputs, half of one 16-input scale group. The kernels keep the dwords and
+change only their order: within every block of 256 inputs (16 groups, 32 dwords) the first halves of the 16
+groups come first, then the second halves ([group][half] -> [half][group]). A row's last, partial block of G
+groups is transposed the same way ([G][2] -> [2][G]). Then a 64-byte load holds one dword of each of 16
+groups, and the bf16 dot-product kernel (csrc/cpu/dot_gemm.cpp) gives each fp32 lane one group, so a block
+needs one vector of group scales instead of one per 64 inputs. Same bytes, same shape [N, K/2]: a
+permutation within each row.
 """
 from __future__ import annotations
 
 import torch
 
+_BLOCK_BYTES = 128   # 256 inputs
 
-def _codes(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)   # [N, K]
+
+def _permute(packed: torch.Tensor, forward: bool) -> torch.Tensor:
+    n, half = packed.shape
+    if half % 8:
+        raise ValueError(f"NVFP4 rows need a multiple of 16 inputs, got {2 * half}")
+    full = half // _BLOCK_BYTES * _BLOCK_BYTES
+    parts = []
+    if full:
+        body = packed[:, :full].reshape(n, -1, *((16, 2, 4) if forward else (2, 16, 4)))
+        parts.append(body.transpose(2, 3).reshape(n, full))
+    if half > full:
+        g = (half - full) // 8
+        tail = packed[:, full:].reshape(n, *((g, 2, 4) if forward else (2, g, 4)))
+        parts.append(tail.transpose(1, 2).reshape(n, half - full))
+    return torch.cat(parts, dim=1).contiguous() if parts else packed.clone()
 
 
 def interleave(packed: torch.Tensor) -> torch.Tensor:
     """Checkpoint order [N, K/2] uint8 -> kernel order."""
-    codes = _codes(packed)                                                      # [N, K]
-    n, k = codes.shape
-    full = k // 32 * 32
-    body = codes[:, :full].reshape(n, -1, 2, 16)                                # [N, chunks, (first, next), 16]
-    parts = [(body[:, :, 0] | (body[:, :, 1] << 4)).reshape(n, -1)]
-    if k > full:                                                                # a trailing chunk of 16
-        tail = codes[:, full:].reshape(n, 2, 8)
-        parts.append(tail[:, 0] | (tail[:, 1] << 4))
-    return torch.cat(parts, dim=1).contiguous()
+    return _permute(packed, True)
 
 
 def deinterleave(packed: torch.Tensor) -> torch.Tensor:
     """Kernel order [N, K/2] uint8 -> checkpoint order."""
-    n, half = packed.shape
-    full = (2 * half) // 32 * 16                                                # bytes of the full chunks
-    body = packed[:, :full].reshape(n, -1, 1, 16)
-    codes = [torch.cat([body & 0x0F, body >> 4], dim=2).reshape(n, -1)]
-    if half > full:
-        tail = packed[:, full:].reshape(n, 1, 8)
-        codes.append(torch.cat([tail & 0x0F, tail >> 4], dim=1).reshape(n, -1))
-    pairs = torch.cat(codes, dim=1).reshape(n, -1, 2)
-    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+    return _permute(packed, False)
 
 
 def make_interleaved(module: torch.nn.Module) -> None:
