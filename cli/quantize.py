@@ -34,11 +34,15 @@ def quantize_command(
     exclude: Annotated[Optional[list[str]], typer.Option(
         "--exclude", help="Extra module-name pattern (fnmatch, e.g. 'model.layers.0.*') to keep "
                           "unquantized; repeat for several.")] = None,
+    quantize_attention: Annotated[bool, typer.Option(
+        "--quantize_attention/--no_quantize_attention",
+        help="nvfp4: quantize the attention projections too (q, kv_a, o_proj; kv_b_proj and the DSA indexer "
+             "stay in the source precision). Off: ModelOpt's default, attention unquantized.")] = False,
 ) -> None:
     """Quantize a checkpoint to FP8 (block-scaled) or NVFP4 for smaller, faster loading."""
     try:
         summary = quantize_checkpoint(model_dir, output_dir, format, quantize_mtp=quantize_mtp,
-                                      exclude=list(exclude or []))
+                                      exclude=list(exclude or []), quantize_attention=quantize_attention)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -9,7 +9,10 @@ Only 2-D `*.weight` tensors are candidates. Never quantized: embeddings, `lm_hea
 (`mlp.gate`), the MTP `eh_proj` and `shared_head.head`, and DeepSeek-V3.2's indexer head weights
 (`self_attn.indexer.weights_proj`): DeepSeek keeps them bf16 (its V3.2 FP8 release stores the indexer's `wq_b` and
 `wk` as FP8 blocks with `weight_scale_inv`, as here, and `weights_proj` in bf16); NVFP4 also keeps attention
-(`*self_attn*`, the indexer included) and any weight whose in_features is not a multiple of 16.
+(`*self_attn*`, the indexer included; ModelOpt's default) and any weight whose in_features is not a multiple
+of 16. `quantize_attention` (NVFP4) quantizes the attention projections too (q / q_a / q_b, kv_a, o_proj), as
+llama.cpp's 4-bit types do, and keeps `kv_b_proj` (absorbed into the queries and outputs at run time, read
+whole every step) and the indexer in the source precision.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ FORMATS = {"fp8": "fp8_block", "fp8_block": "fp8_block", "nvfp4": "nvfp4"}
 ALWAYS_EXCLUDED = ("*embed_tokens", "lm_head", "*.mlp.gate", "*.eh_proj", "*.shared_head.head",
                    "*.indexer.weights_proj")
 NVFP4_EXCLUDED = ("*self_attn*",)
+NVFP4_ATTENTION_KEPT = ("*self_attn.kv_b_proj", "*self_attn.indexer*")   # with quantize_attention
 NVFP4_GROUP = 16
 DEFAULT_INPUT_SCALE = 1.0  # NVFP4 input_scale when no activation amax is supplied (uncalibrated)
 _NEVER_LISTED = ("*embed_tokens", "*.mlp.gate")  # readers never treat these as quantizable linears
@@ -100,17 +104,21 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def quantize_checkpoint(src_dir: str | Path, out_dir: str | Path, fmt: str,
                         quantize_mtp: bool = True, exclude: list[str] | None = None,
-                        input_amax: Mapping[str, float] | None = None) -> dict:
+                        input_amax: Mapping[str, float] | None = None, quantize_attention: bool = False) -> dict:
     """Write a quantized copy of the checkpoint in src_dir to out_dir (which must not exist or be
     empty); returns a summary. `exclude`: extra fnmatch patterns on module names to keep unquantized.
     `quantize_mtp=False` keeps MTP layers (model.layers.{>= num_hidden_layers}) unquantized.
     `input_amax` (NVFP4): calibrated max |activation| per module name; others get input_scale 1.0.
+    `quantize_attention` (NVFP4): the attention projections too, but kv_b_proj and the indexer.
     Written to a temporary sibling directory and renamed at the end: nothing half-written remains."""
     src, out = Path(src_dir), Path(out_dir)
     fmt, config, num_layers = _check_source(src, fmt)
     shards, indexed = _source_shards(src)
     _check_out_dir(out)
-    patterns = ALWAYS_EXCLUDED + (NVFP4_EXCLUDED if fmt == "nvfp4" else ()) + tuple(exclude or ())
+    if quantize_attention and fmt != "nvfp4":
+        raise ValueError("quantize_attention applies to --format nvfp4 (fp8 quantizes attention already)")
+    kept = NVFP4_ATTENTION_KEPT if quantize_attention else NVFP4_EXCLUDED
+    patterns = ALWAYS_EXCLUDED + (kept if fmt == "nvfp4" else ()) + tuple(exclude or ())
     fp8_format = Fp8BlockFormat()
     summary = {"format": fmt, "out_dir": str(out), "num_tensors_in": 0, "num_tensors_out": 0,
                "num_quantized": 0, "num_kept": 0, "bytes_before": 0, "bytes_after": 0,

@@ -436,16 +436,18 @@ def test_native_greedy_mtp_equals_plain_greedy(tiny3_model, mode, K) -> None:
     assert eng.stats.num_draft_accepted > 0       # drafts were accepted: the verify path really ran
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "nvfp4", "nvfp4_attn"])
 def test_greedy_mtp_equals_plain_greedy_on_packed_formats(tiny3_dir, tmp_path, fmt) -> None:
     """The backbone invariant on bf16 weights and on FP8 / NVFP4 checkpoints kept packed (read in place), with
-    2 threads: greedy MTP (Eagle and Vanilla) == greedy without MTP, token for token."""
+    2 threads: greedy MTP (Eagle and Vanilla) == greedy without MTP, token for token. nvfp4_attn: the attention
+    projections quantized too (`mtp quantize --quantize_attention`)."""
     from mtp_core.loader import load_model
     from mtp_core.quantize import quantize_checkpoint
     src = tiny3_dir
     if fmt != "bf16":
         src = tmp_path / fmt
-        quantize_checkpoint(tiny3_dir, src, fmt)
+        quantize_checkpoint(tiny3_dir, src, fmt.removesuffix("_attn"), quantize_attention=fmt == "nvfp4_attn")
+        fmt = fmt.removesuffix("_attn")
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -455,6 +457,8 @@ def test_greedy_mtp_equals_plain_greedy_on_packed_formats(tiny3_dir, tmp_path, f
         if fmt != "bf16":
             assert model.native.weights.layout == "direct"
             assert fmt in model.native.weights.formats()
+            o_fmt = model.native.weights.layers[0].o.fmt
+            assert (o_fmt == NVFP4) == (src.name == "nvfp4_attn"), o_fmt
         want = [s.output_ids for s in run_to_end(base, PROMPTS, greedy(24))]
         for nextn, mode in ((3, "eagle"), (3, "vanilla")):
             eng = make_engine(model, nextn=nextn, mode=mode, max_batch_size=8)

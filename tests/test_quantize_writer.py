@@ -183,6 +183,27 @@ def test_mtp_and_user_exclusions(tmp_path):
     assert "model.layers.1.mlp.up_proj" in excluded and "model.layers.0.mlp.gate_proj" in excluded
 
 
+def test_quantize_attention_quantizes_the_projections_but_kv_b_and_the_indexer(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(CONFIG))
+    g = torch.Generator().manual_seed(1)
+    attn = {f"model.layers.0.self_attn.{m}.weight": torch.randn(32, 48, generator=g).to(BF16)
+            for m in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "indexer.wq_b")}
+    save_file({**source_tensors(), **attn}, str(src / "model.safetensors"))
+    quantize_checkpoint(src, tmp_path / "out", "nvfp4", quantize_attention=True)
+    tensors = read_all(tmp_path / "out")
+    for m in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj"):
+        assert tensors[f"model.layers.0.self_attn.{m}.weight"].dtype == torch.uint8, m
+    for m in ("kv_b_proj", "indexer.wq_b"):
+        assert tensors[f"model.layers.0.self_attn.{m}.weight"].dtype == BF16, m
+    excluded = json.loads((tmp_path / "out" / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    assert "model.layers.0.self_attn.kv_b_proj" in excluded and "model.layers.0.self_attn.o_proj" not in excluded
+    with pytest.raises(ValueError, match="quantize_attention applies to --format nvfp4"):
+        quantize_checkpoint(src, tmp_path / "out8", "fp8", quantize_attention=True)
+    assert not (tmp_path / "out8").exists()
+
+
 def test_calibrated_input_scale(tmp_path):
     src = make_source(tmp_path, sharded=False)
     summary = quantize_checkpoint(src, tmp_path / "out", "nvfp4",
