@@ -67,6 +67,7 @@ class NativeStep:
         # what the rows that need their logits need from the engine (bind): its stop tokens and <think> / </think>
         self.eos_token_ids: set[int] = set()
         self.think_ids: Optional[tuple[int, int]] = None
+        self._limits: Optional[tuple[list[ScheduledRow], list[int]]] = None   # step_for's, for run()
 
     def bind(self, eos_token_ids: set[int], think_ids: Optional[tuple[int, int]]) -> None:
         self.eos_token_ids, self.think_ids = eos_token_ids, think_ids
@@ -76,9 +77,11 @@ class NativeStep:
         MTP forwards re-read (lagging positions; Vanilla's window), else None."""
         if not self.can_verify(rows):
             return None
-        for r in rows:
-            if self._limit(r) and self._window_len(r) > self._stored(r.seq.mtp):
+        limits = [self._limit(r) for r in rows]
+        for r, n in zip(rows, limits):
+            if n and self._window_len(r) > self._stored(r.seq.mtp):
                 return None
+        self._limits = (rows, limits)
         return self
 
     def can_verify(self, rows: list[ScheduledRow]) -> bool:
@@ -102,7 +105,8 @@ class NativeStep:
         # drafts are exactly the eager drafter's); under the cost policy the count it chose for the row last
         # (it changes counts rarely; a row it raises gets its new count one step late), so that a step whose
         # rows draft less does not compute the chain it would throw away
-        limits = [self._limit(r) for r in rows]
+        cached, self._limits = self._limits, None
+        limits = cached[1] if cached is not None and cached[0] is rows else [self._limit(r) for r in rows]
         out, hidden, windows, logprobs = self._call(rows, limits, self.mtp_layer)
         kmax = max(len(r.token_ids) for r in rows) - 1
         tokens = [row[1:1 + row[0]] for row in out]
@@ -160,6 +164,12 @@ class NativeStep:
         if not self.draft_len:
             return
         views_ok = hidden.shape[0] == len(rows)
+        if views_ok and not any(limits):     # no row drafted, each fed one token: each holds its row of hidden
+            for b, r in enumerate(rows):
+                mtp = r.seq.mtp
+                if not mtp.is_off:
+                    backlog.hold(mtp, hidden[b:b + 1], r.start + 1, copy=False)
+            return
         K, first = self.draft_len, 0                 # first: the row's first position in hidden [T, H]
         for b, (r, row, n) in enumerate(zip(rows, out, limits)):
             mtp, valid = r.seq.mtp, r.start + row[0]

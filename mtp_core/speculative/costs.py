@@ -33,21 +33,27 @@ class _Cell:
     median (a step on a shared machine is now and then delayed, in bursts, by other work), or the smallest
     of fewer than 3 samples. The mean, not a low quantile: a drafting step's own cost varies (the MTP
     forward covers the tokens each row accepted), and tokens per second follow its mean."""
-    __slots__ = ("samples", "value")
+    __slots__ = ("samples", "_value")
 
     def __init__(self) -> None:
         self.samples: deque[float] = deque(maxlen=RING)
-        self.value = 0.0
+        self._value: Optional[float] = 0.0
 
     def add(self, x: float) -> None:
         self.samples.append(x)
-        s = sorted(self.samples)
-        if len(s) < 3:
-            self.value = s[0]
-            return
-        cut = 1.5 * s[len(s) // 2]
-        kept = [x for x in s if x <= cut]
-        self.value = sum(kept) / len(kept)
+        self._value = None            # computed when read: most steps add a sample, few decisions read it
+
+    @property
+    def value(self) -> float:
+        if self._value is None:
+            s = sorted(self.samples)
+            if len(s) < 3:
+                self._value = s[0]
+            else:
+                cut = 1.5 * s[len(s) // 2]
+                kept = [x for x in s if x <= cut]
+                self._value = sum(kept) / len(kept)
+        return self._value
 
 
 TARGET_SLOPE = 0.25        # from one measured count: the target part grows by this share of its k = 0 cost per draft
@@ -220,14 +226,19 @@ class StepTimer:
     def record_step(self, rows: Sequence[Any], t0: float, t1: float, t2: float) -> None:
         """rows: the step's scheduled rows; t0 its start, t1 after commit (target part done), t2 its end
         (drafting for the next step done)."""
-        decode = bool(rows) and not any(r.is_prefill for r in rows)
-        if rows and all(r.is_prefill for r in rows) and self.warmup < WARMUP_STEPS:
+        num_prefill = sum(1 for r in rows if r.is_prefill)
+        decode = bool(rows) and not num_prefill
+        if rows and num_prefill == len(rows) and self.warmup < WARMUP_STEPS:
             # a prompt's forward per token (after the first decode step: the first prefill runs cold), the prior
             # for what a catch-up costs per position until one is measured
             self.costs.add_prefill((t1 - t0) / sum(len(r.token_ids) for r in rows))
-        verified = max(len(r.token_ids) for r in rows) - 1 if decode else None
-        if decode and min(len(r.token_ids) for r in rows) - 1 != verified:
-            decode, verified = False, None        # rows verified different counts: not a uniform step
+        verified = None
+        if decode:
+            lens = {len(r.token_ids) for r in rows}
+            if len(lens) == 1:
+                verified = lens.pop() - 1
+            else:
+                decode = False                    # rows verified different counts: not a uniform step
         p, self.pending = self.pending, None
         self._run_verified = self._run_verified + 1 if decode and verified == self._prev_verified else 1
         self._prev_verified = verified

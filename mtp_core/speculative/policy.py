@@ -208,12 +208,18 @@ class CostPolicy(FixedPolicy):
             return _apply(rows, caps)
         B = sum(1 for r in rows if r.needs_drafts)
         b = bucket(B)
-        log = self.buckets.setdefault(b, BucketLog(last_chosen=[0] * (self.draft_len + 1)))   # no re-try owed yet
+        log = self.buckets.get(b)
+        if log is None:
+            log = self.buckets[b] = BucketLog(last_chosen=[0] * (self.draft_len + 1))   # no re-try owed yet
         log.decisions += 1
         k, resume = self._count(rows, caps, kmax, B, b, log, prev)
         log.last_chosen[k] = log.decisions
         self._last_k = k
         self._run_k = self._run_k + 1 if k == prev else 1
+        if k == 0:                  # every row at 0: no lag to weigh, every row at the count
+            decode_only = all(r.start + len(r.next_tokens) > r.seq.prefill_target for r in rows)
+            self.timer.pending = Measure(B, 0, 0, decode_only and self._run_k > SETTLE)
+            return _apply(rows, [0] * len(rows))
         limits, catchup, uniform, decode_only = [], 0, True, True
         for r, c in zip(rows, caps):
             mtp = r.seq.mtp
