@@ -105,7 +105,7 @@ def models(tiny1_model, tiny3_model) -> dict[str, DeepseekV3ForCausalLM]:
 
 def llm_config(model_dir: str | Path = "", nextn: int = 0, mode: str = "auto", max_tokens_kv: int = 4096,
                tokens_per_block: int = 8, spec: Optional[dict[str, Any]] = None, kv_dtype: str = "auto",
-               **fields: Any) -> LLMConfig:
+               block_reuse: bool = True, **fields: Any) -> LLMConfig:
     """LLMConfig with a small explicit KV pool; nextn > 0 turns MTP on (mode: auto | eagle | vanilla).
 
     The draft-length policy is `fixed` here unless `spec` names one: most tests count drafts and steps,
@@ -117,7 +117,7 @@ def llm_config(model_dir: str | Path = "", nextn: int = 0, mode: str = "auto", m
     fields.setdefault("dtype", "float32")
     return LLMConfig(model_dir=str(model_dir), speculative_config=spec_cfg,
                      kv_cache_config=KvCacheConfig(max_tokens=max_tokens_kv, tokens_per_block=tokens_per_block,
-                                                   dtype=kv_dtype),
+                                                   dtype=kv_dtype, enable_block_reuse=block_reuse),
                      **fields)
 
 

@@ -577,30 +577,71 @@ def test_policy_settings(tiny1_dir):
     assert "drafts chosen per drafting step" in r.stderr and "draft_len_policy fixed" not in r.stdout
 
 
+@pytest.mark.parametrize("reuse", [False, True], ids=["reuse_off", "reuse_on"])
 @pytest.mark.parametrize("ckpt,mode", [("tiny1", "eagle"), ("tiny3", "vanilla")])
-def test_a_deferred_prompt_catches_up_when_its_request_first_drafts(models, ckpt, mode):
+def test_a_deferred_prompt_catches_up_when_its_request_first_drafts(models, ckpt, mode, reuse):
     """While the policy drafts nothing, a new request's prompt skips its MTP forward (the MTP caches lag from
-    the prompt on); the first step that drafts for it runs the MTP forward over the whole lag at once. The
-    output is plain greedy's, and after the catch-up every cache equals a dense recompute."""
+    the prompt on; with prefix caching on, from its last full block on: the full blocks get their MTP entries so
+    that they can be shared); the first step that drafts for it runs the MTP forward over the whole lag at once.
+    The output is plain greedy's, and after the catch-up every cache equals a dense recompute."""
     from test_mtp_decoding import _check_caches
 
-    model, K = models[ckpt], 3
-    eng = scripted(make_engine(model, nextn=K, mode=mode, tokens_per_block=4, spec=dict(draft_len_policy="cost")),
+    model, K, tpb = models[ckpt], 3, 4
+    eng = scripted(make_engine(model, nextn=K, mode=mode, tokens_per_block=tpb, block_reuse=reuse,
+                               spec=dict(draft_len_policy="cost")),
                    [(0, True)] * 4 + [(3, True)] * 40, defer_prompts=True)
-    seqs = [eng.add_request(p, greedy(30)) for p in (PROMPTS[1], PROMPTS[3])]
+    prompts = (PROMPTS[1], PROMPTS[3])
+    seqs = [eng.add_request(p, greedy(30)) for p in prompts]
     eng.step()                                               # the prefill: its MTP forward deferred
-    assert all(s.mtp.num_valid == 0 and s.mtp.pending for s in seqs)
+    deferred_from = [len(p) // tpb * tpb if reuse else 0 for p in prompts]
+    assert [s.mtp.num_valid for s in seqs] == deferred_from and all(s.mtp.pending for s in seqs)
     for _ in range(3):
         eng.step()
-    assert all(s.mtp.num_valid == 0 for s in seqs)          # still lagging from the prompt on
+    assert [s.mtp.num_valid for s in seqs] == deferred_from   # still lagging from the prompt on
     eng.step()                                               # the first drafting step: the catch-up
     assert all(s.mtp.num_valid == s.num_cached and s.mtp.pending is None for s in seqs)
     _check_caches(model, eng, seqs, mode, K)
     while eng.has_unfinished():
         eng.step()
-    for p, s in zip((PROMPTS[1], PROMPTS[3]), seqs):
+    for p, s in zip(prompts, seqs):
         assert s.output_ids == reference(model, p, 30)
     assert eng.stats.num_draft_proposed > 0
+
+
+@pytest.mark.parametrize("ckpt,mode", [("tiny1", "eagle"), ("tiny3", "vanilla")])
+def test_a_deferred_prompt_still_shares_its_full_blocks(models, ckpt, mode):
+    """Prefix caching with the cost policy: a request that never drafts (its prompt's MTP forward deferred) still
+    registers its prompt's full blocks, because their MTP entries are written at prefill; a later request sharing
+    the prefix reuses as many blocks as under a policy that never defers, emits plain greedy's tokens, and once it
+    drafts every cache, the reused blocks' MTP entries included, equals a dense recompute."""
+    from test_mtp_decoding import _check_caches
+
+    model, K, tpb = models[ckpt], 3, 4
+    prefix = PROMPTS[5][:22]
+    first, second = prefix + [300, 12, 77], prefix + [150, 151]
+    hits = {}
+    for defer in (False, True):
+        eng = scripted(make_engine(model, nextn=K, mode=mode, tokens_per_block=tpb, max_batch_size=1,
+                                   spec=dict(draft_len_policy="cost")),
+                       [(0, True)] * 12 + [(3, True)] * 1000, defer_prompts=defer)
+        a = eng.add_request(first, greedy(8))
+        eng.step()
+        if defer:
+            assert a.mtp.num_valid == len(first) // tpb * tpb and a.mtp.pending
+        while eng.has_unfinished():
+            eng.step()
+        assert a.stats.num_draft_proposed == 0                   # the owner never drafted
+        b = eng.add_request(second, greedy(20))
+        checked = False
+        while eng.has_unfinished():
+            eng.step()
+            if not checked and not b.is_finished and b.stats.num_draft_proposed and b.mtp.pending is None:
+                _check_caches(model, eng, [b], mode, K)
+                checked = True
+        assert checked, "the second request never drafted"
+        assert a.output_ids == reference(model, first, 8) and b.output_ids == reference(model, second, 20)
+        hits[defer] = (eng.blocks.stats.hit_blocks, eng.blocks.stats.reused_tokens)
+    assert hits[True] == hits[False] and hits[True][0] >= 4, hits
 
 
 def test_only_the_cost_policy_defers_prompts():

@@ -321,7 +321,9 @@ class Engine:
         # a step of one token per row (every row verified no draft): its output holds only states that rows
         # which skip drafting keep, so they may keep views of it instead of copies
         views_ok = all(not r.is_prefill and len(r.token_ids) == 1 for r in step.rows)
-        propose = partial(backlog.propose, self.drafter, inputs, views_ok, self.policy.defers_prompts())
+        # prefix caching shares only blocks whose MTP entries are written: a deferred prompt still fills its full ones
+        shared = self.blocks.tokens_per_block if self.blocks.enable_reuse and self.scheduler.reuse.mtp else 0
+        propose = partial(backlog.propose, self.drafter, inputs, views_ok, self.policy.defers_prompts(), shared)
         if self._overlap is not None and any(i.needs_drafts for i in inputs):
             return self._overlap.while_drafting(propose)
         return propose()

@@ -52,16 +52,19 @@ def settle(mtp: MTPState, valid: int, drafted: bool, hidden: Optional[torch.Tens
     mtp.num_valid, mtp.pending = valid, None
 
 
-def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_prompts: bool = False
-            ) -> list[list[int]]:
+def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_prompts: bool = False,
+            shared_block: int = 0) -> list[list[int]]:
     """Each row's next drafts (inp.max_drafts of them, chosen by the policy). Rows whose count is 0 skip the
     drafter and hold their states; rows that lag catch up in their first MTP forward. views_ok: the step's
     output holds nothing else worth freeing. defer_prompts (the cost policy): prompt chunks given no drafts hold
     their states too (a request's MTP forward over its prompt waits until it first drafts, and never runs if it
     does not), up to MAX_MTP_LAG / 2 positions (a longer prompt runs it now, so that the request can still draft
-    later)."""
+    later). shared_block (prefix caching on: the pool's tokens per block, else 0): a deferred prompt still runs
+    its MTP forward up to its last full block (no drafts), since only blocks whose MTP entries are written can be
+    shared with later requests; the rest of the prompt waits (`_split`)."""
     drafts: list[list[int]] = [[] for _ in inputs]
     run: list[int] = []
+    rest: dict[int, tuple[torch.Tensor, int]] = {}   # a deferred prompt's positions past its last full block
     for n, inp in enumerate(inputs):
         mtp = inp.seq.mtp
         if mtp.is_off:
@@ -69,16 +72,26 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_pr
         limit = inp.max_drafts if inp.needs_drafts and inp.max_drafts is not None else 0
         valid = inp.start + len(inp.next_tokens)
         if limit == 0 and (valid > inp.seq.prefill_target or (defer_prompts and valid <= MAX_MTP_LAG // 2)):
-            settle(mtp, valid, False, inp.hidden, copy=True if valid <= inp.seq.prefill_target else not views_ok)
-            continue   # a decode row that skips drafting, or a prompt chunk whose MTP forward is deferred
+            prompt = valid <= inp.seq.prefill_target
+            upto = valid // shared_block * shared_block if prompt and shared_block else 0
+            if upto <= max(mtp.num_valid, inp.start):
+                settle(mtp, valid, False, inp.hidden, copy=True if prompt else not views_ok)
+                continue   # a decode row that skips drafting, or a prompt chunk whose MTP forward is deferred
+            rest[n] = (inp.hidden[upto - inp.start:], valid)
+            inp.hidden, inp.next_tokens = inp.hidden[:upto - inp.start], inp.next_tokens[:upto - inp.start]
         if mtp.pending and mtp.num_valid < inp.start:
             # the MTP caches lag (drafting skipped in earlier steps): cover the missing positions too
+            end = inp.start + len(inp.next_tokens)
             inp.hidden = torch.cat([*mtp.pending, inp.hidden])
-            inp.start, inp.next_tokens = mtp.num_valid, inp.seq.all_ids[mtp.num_valid + 1: valid + 1]
+            inp.start, inp.next_tokens = mtp.num_valid, inp.seq.all_ids[mtp.num_valid + 1: end + 1]
         inp.max_drafts = limit
         run.append(n)
     if run:
         for n, d in zip(run, drafter.propose([inputs[n] for n in run])):
             inp, drafts[n] = inputs[n], d
             settle(inp.seq.mtp, inp.start + len(inp.next_tokens), True)
+            if n in rest:              # the prompt's positions past its last full block wait
+                hidden, valid = rest[n]
+                if len(hidden):
+                    settle(inp.seq.mtp, valid, False, hidden, copy=True)
     return drafts
