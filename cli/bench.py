@@ -170,7 +170,7 @@ def _local_report(llm: Any, cfg: Any, records: list, ds: dict, replay: Any, p: d
     report = build_report(records, cfg, llm.model, p["concurrency"], p["streaming"], ds,
                           {"warmup": p["warmup"], "ignore_eos": p["ignore_eos"]})
     if cfg.speculative_config is not None:
-        report["draft_len_policy"] = llm.engine.policy.summary()   # its cost table, acceptance, re-tries
+        report["draft_len_policy"] = llm.engine.spec.policy.summary()   # its cost table, acceptance, re-tries
     if replay is not None:
         report["replay_acceptance"] = {"rates": list(replay.rates), "label": replay.label(),
                                        "steps_replaced": replay.num_replaced}
@@ -200,7 +200,7 @@ def _install_replay(llm: Any, cfg: Any, prompts: list[list[int]], outs: list[int
     if cfg.speculative_config is None:
         raise ValueError("--replay_acceptance replaces MTP drafts; turn MTP on (--spec_decode_algo MTP)")
     replay = _replay(llm, cfg, prompts, outs, p["concurrency"], p["ignore_eos"], p["replay_acceptance"])
-    llm.engine.replay = replay
+    llm.engine.spec.replay = replay
     print(f"note: draft acceptance is {replay.label()}: the MTP forwards run, their drafts are replaced",
           file=sys.stderr)
     return replay

@@ -183,7 +183,7 @@ def _load(ctx: typer.Context, p: dict[str, Any]) -> _Loaded:
                      max(p["concurrency"], p["accuracy_concurrency"] if p["accuracy"] else 1, 1))
     llm = LLM(cfg)
     model, tok = llm.model, llm.tokenizer
-    eos, think = sorted(llm.engine.eos_token_ids), llm.engine.think_ids
+    eos, think = sorted(llm.engine.stops.eos_token_ids), llm.engine.stops.think_ids
     del llm.engine
     return _Loaded(cfg, model, tok, eos, think, sw.setting_config(cfg, sw.Setting("none", 0)))
 

@@ -59,8 +59,8 @@ class LLM:
         self.engine = Engine(self.model, config, eos, self.tokenizer.think_token_ids(), iter_log=iter_log)
         # structured output: xgrammar over this tokenizer, built on the first guided request
         # (no reference to self: the engine is frozen below, and a cycle through it would keep this LLM alive)
-        tok, vocab, rollback = self.tokenizer, self.model.config.vocab_size, self.engine.draft_len + 1
-        self.engine.grammar_factory = lambda: GrammarBackend(tok, vocab, eos, rollback,
+        tok, vocab, rollback = self.tokenizer, self.model.config.vocab_size, self.engine.spec.draft_len + 1
+        self.engine.grammar.factory = lambda: GrammarBackend(tok, vocab, eos, rollback,
                                                              tuple(tok.think_token_ids() or ()))
         # everything built so far lives as long as the engine: keep the cyclic GC from re-scanning it on every
         # collection a decode step's small allocations trigger (measured: ~17% of a native decode call's time)

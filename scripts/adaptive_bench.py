@@ -175,7 +175,7 @@ def main() -> None:
     llm = LLM(LLMConfig(model_dir=str(SHIPPED), dtype="auto", max_batch_size=16,
                         kv_cache_config=KvCacheConfig(max_tokens=16 * 640)))
     model, tok = llm.model, llm.tokenizer
-    eos, think = sorted(llm.engine.eos_token_ids), llm.engine.think_ids
+    eos, think = sorted(llm.engine.stops.eos_token_ids), llm.engine.stops.think_ids
     del llm.engine
     base = LLMConfig(model_dir=str(SHIPPED), dtype="auto", max_batch_size=16,
                      kv_cache_config=KvCacheConfig(max_tokens=16 * 640))

@@ -57,7 +57,7 @@ def main() -> None:
     reqs = load_dataset(a.dataset)
     prompts = [encode_request(llm.tokenizer, r) for r in reqs]
     outs = [r.output_tokens for r in reqs]
-    eos, think = list(llm.engine.eos_token_ids), llm.engine.think_ids
+    eos, think = list(llm.engine.stops.eos_token_ids), llm.engine.stops.think_ids
     res: dict[str, dict[str, list[float]]] = {k: {"wall": [], "cpu": [], "ttft_rest": [], "hit": [], "host": []} for k in ("on", "off")}
     for rep in range(a.repeats):
         for reuse in (("on", "off") if rep % 2 == 0 else ("off", "on")):

@@ -72,7 +72,7 @@ class Ours:
 
         torch.set_num_threads(threads)
         llm = LLM(LLMConfig(model_dir=str(model_dir), dtype=dtype, max_batch_size=1, num_threads=threads))
-        self.model, self.eos, self.think = llm.model, sorted(llm.engine.eos_token_ids), llm.engine.think_ids
+        self.model, self.eos, self.think = llm.model, sorted(llm.engine.stops.eos_token_ids), llm.engine.stops.think_ids
         self.base = llm.config
         del llm.engine
 

@@ -318,7 +318,7 @@ def _decode(torch, dev, dry, handler, tmp: Path) -> int:
                 steps = llm.engine.num_steps - s0
                 res[use_graph] = (1e3 * (time.perf_counter() - t) / max(1, steps), [o.token_ids for o in outs])
                 if use_graph:
-                    replays = llm.engine.graphs.num_replays if llm.engine.graphs is not None else 0
+                    replays = llm.engine.paths.graphs.num_replays if llm.engine.paths.graphs is not None else 0
                     if replays == 0:
                         print(f"   K={K} B={batch}: the static step never ran (graphs off: see the log)")
                 tokens[(K, batch, use_graph)] = res[use_graph][1]

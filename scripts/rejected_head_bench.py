@@ -31,7 +31,7 @@ def one(ckpt: str, threads: int, nextn: int, tokens: int, prompt_len: int) -> di
     llm.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))          # warm-up
     chosen: list[int] = []
     if nextn:
-        pol, orig = llm.engine.policy, llm.engine.policy.choose
+        pol, orig = llm.engine.spec.policy, llm.engine.spec.policy.choose
 
         def choose(rows, in_flight):
             out = orig(rows, in_flight)

@@ -36,12 +36,12 @@ def build(nextn: int, batch: int) -> tuple[LLM, collections.Counter]:
                         max_batch_size=batch, overlap_scheduler_on_cpu=False, num_threads=1,
                         kv_cache_config=KvCacheConfig(max_tokens=16384, tokens_per_block=16)))
     e = llm.engine
-    if e.native_step is None:
+    if e.paths.native_step is None:
         raise SystemExit("the native step is not available on this host (build the extension)")
     if nextn:
-        e.policy._decide = lambda *a: (0, True, True)    # every decision: 0 drafts, settled
+        e.spec.policy._decide = lambda *a: (0, True, True)    # every decision: 0 drafts, settled
     spent: collections.Counter = collections.Counter()
-    owners = {"engine": e, "native": e.native_step.native, "native_step": e.native_step, "runner": e.runner}
+    owners = {"engine": e, "native": e.paths.native_step.native, "native_step": e.paths.native_step, "runner": e.paths.runner}
     for owner, attr, key in PARTS:
         obj = owners[owner]
         fn = getattr(obj, attr)

@@ -41,7 +41,7 @@ def main() -> None:
                         kv_cache_config=KvCacheConfig(max_tokens=2048, enable_block_reuse=False)))
     eng, model = llm.engine, llm.model
     nd = model.native
-    if nd is None or eng.native_step is None:
+    if nd is None or eng.paths.native_step is None:
         raise SystemExit("the native CPU step is not available for this checkpoint on this host")
     prompt = [20 + (i * 7919) % 900 for i in range(64)]
     seq = eng.add_request(prompt, SamplingParams(max_tokens=200, ignore_eos=True))

@@ -50,13 +50,13 @@ def record_rows(eng) -> list[list[int]]:
         log.append([len(r.token_ids) - 1 for r in rows if not r.is_prefill])
         return execute(rows, meta, *rest)
     eng._target = recording
-    if eng.native_step is not None:      # the whole step in one native call bypasses _target
-        run = eng.native_step.run
+    if eng.paths.native_step is not None:      # the whole step in one native call bypasses _target
+        run = eng.paths.native_step.run
 
         def recording_run(rows):
             log.append([len(r.token_ids) - 1 for r in rows])
             return run(rows)
-        eng.native_step.run = recording_run
+        eng.paths.native_step.run = recording_run
     return log
 
 
@@ -144,7 +144,7 @@ def test_paused_requests_catch_up_their_mtp_caches(models, ckpt, mode):
     spec = dict(acceptance_window=2, acceptance_length_threshold=2.5)
     eng = make_engine(model, nextn=K, mode=mode, tokens_per_block=4, spec=spec)
     oracle = OracleDrafter(K, model.config.vocab_size, cycling([1, 0, 3, 0, 0]))
-    eng.drafter = ControlledDrafter(eng.drafter, oracle)
+    eng.spec.drafter = ControlledDrafter(eng.spec.drafter, oracle)
     prompts = [PROMPTS[2], PROMPTS[4]]
     seqs = [eng.add_request(p, greedy(60)) for p in prompts]
     for p, s in zip(prompts, seqs):
@@ -250,11 +250,11 @@ def test_static_step_falls_back_for_limited_rows_and_is_off_with_gating(models):
     steps = record_rows(eng)
     seqs = run_to_end(eng, PROMPTS[:4], params)
     assert [s.output_ids for s in seqs] == [reference(model, p, sp.max_tokens) for p, sp in zip(PROMPTS, params)]
-    assert eng.graphs is not None and 0 < eng.graphs.num_replays < eng.num_steps
+    assert eng.paths.graphs is not None and 0 < eng.paths.graphs.num_replays < eng.num_steps
     assert any(s and max(s) == 1 for s in steps)              # the limited steps ran eagerly
     gated = make_engine(model, nextn=3, mode="eagle", cuda_graph_config=graphs,
                         spec=dict(draft_confidence_threshold=0.2))
-    assert gated.graphs is None
+    assert gated.paths.graphs is None
 
 
 # ---- relaxed acceptance in thinking ----------------------------------------------------------

@@ -55,7 +55,7 @@ def test_static_step_is_token_exact_and_drafts_as_eager(models, ckpt, K) -> None
         for p, s, sp in zip(prompts, seqs, params):
             assert s.output_ids == reference(model, p, sp.max_tokens)
         stats.append((eng.stats.num_draft_proposed, eng.stats.num_draft_accepted, eng.num_steps))
-    assert eng.graphs is not None and sorted(eng.graphs.steps) == [1, 2, 4] and eng.graphs.num_replays > 0
+    assert eng.paths.graphs is not None and sorted(eng.paths.graphs.steps) == [1, 2, 4] and eng.paths.graphs.num_replays > 0
     assert drafts[1] == drafts[0] and stats[1] == stats[0]
     if K:
         assert 0 < eng.stats.num_draft_accepted < eng.stats.num_draft_proposed
@@ -70,7 +70,7 @@ def test_static_and_eager_steps_alternate(models) -> None:
     seqs = run_to_end(eng, PROMPTS[2:5], [greedy(MAX_TOKENS), greedy(MAX_TOKENS - 8), greedy(MAX_TOKENS - 12)])
     for p, s in zip(PROMPTS[2:5], seqs):
         assert s.output_ids == reference(model, p, len(s.output_ids))
-    assert 0 < eng.graphs.num_replays < eng.num_steps
+    assert 0 < eng.paths.graphs.num_replays < eng.num_steps
     eager = make_engine(model, nextn=3, mode="eagle", max_batch_size=3)
     run_to_end(eager, PROMPTS[2:5], [greedy(MAX_TOKENS), greedy(MAX_TOKENS - 8), greedy(MAX_TOKENS - 12)])
     assert eager.stats.num_draft_accepted == eng.stats.num_draft_accepted
@@ -86,19 +86,19 @@ def test_relaxed_static_equals_relaxed_eager(models) -> None:
         eng = make_engine(model, nextn=3, mode="eagle", max_batch_size=4, spec=spec, cuda_graph_config=cg)
         outs.append([s.output_ids for s in run_to_end(eng, prompts, greedy(MAX_TOKENS))])
         if cg is not None:
-            assert eng.graphs.steps[4].relaxed == Relaxed(5, 0.3) and eng.graphs.num_replays > 0
+            assert eng.paths.graphs.steps[4].relaxed == Relaxed(5, 0.3) and eng.paths.graphs.num_replays > 0
     assert outs[0] == outs[1]
 
 
 def test_sampled_rows_and_vanilla_run_eagerly(models) -> None:
     model = models["tiny3"]
     eng = make_engine(model, nextn=2, mode="vanilla", max_batch_size=2, cuda_graph_config=graphs(1, 2))
-    assert eng.graphs is None                                            # Vanilla: every step eager
+    assert eng.paths.graphs is None                                            # Vanilla: every step eager
     seqs = run_to_end(eng, PROMPTS[:2], greedy(MAX_TOKENS))
     assert [s.output_ids for s in seqs] == [reference(model, p, MAX_TOKENS) for p in PROMPTS[:2]]
     eng = make_engine(model, nextn=2, mode="eagle", max_batch_size=2, cuda_graph_config=graphs(1, 2))
     run_to_end(eng, PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.8, seed=3))
-    assert eng.graphs.num_replays == 0
+    assert eng.paths.graphs.num_replays == 0
 
 
 @pytest.mark.gpu
@@ -117,7 +117,7 @@ def test_captured_graphs_equal_eager_on_gpu(tiny1_dir, K) -> None:
         seqs = run_to_end(eng, PROMPTS[:6], greedy(MAX_TOKENS))
         outs.append([s.output_ids for s in seqs])
         stats.append((eng.stats.num_draft_proposed, eng.stats.num_draft_accepted))
-    assert all(s.graph is not None for s in eng.graphs.steps.values()) and eng.graphs.num_replays > 0
+    assert all(s.graph is not None for s in eng.paths.graphs.steps.values()) and eng.paths.graphs.num_replays > 0
     assert outs[0] == outs[1] and stats[0] == stats[1]
 
 
@@ -127,7 +127,7 @@ def test_static_step_never_reads_a_tensor_on_the_host(models, monkeypatch) -> No
     model = models["tiny3"]
     eng = make_engine(model, nextn=3, mode="eagle", max_batch_size=2, cuda_graph_config=graphs(2),
                       spec=dict(use_relaxed_acceptance_for_thinking=True, relaxed_topk=4, relaxed_delta=0.5))
-    static = eng.graphs.steps[2]
+    static = eng.paths.graphs.steps[2]
     original = static.forward
     calls = []
 

@@ -248,7 +248,7 @@ def test_greedy_mtp_equals_plain_greedy(v32_dirs, path, ckpt, mode, K) -> None:
         eng = make_engine(model, nextn=K, mode=mode, max_batch_size=bs, overlap_scheduler_on_cpu=overlap)
         # without the overlap scheduler the native path runs every decode step of a greedy batch as one mtp_step
         # call (DSA inside it); with it (or on the torch path), the general path
-        assert (eng.native_step is not None) == (path == "native" and not overlap) and eng.graphs is None
+        assert (eng.paths.native_step is not None) == (path == "native" and not overlap) and eng.paths.graphs is None
         assert [s.output_ids for s in run_to_end(eng, PROMPTS, greedy(28))] == want, (bs, overlap)
         assert eng.stats.num_draft_accepted > 0
 
@@ -262,7 +262,7 @@ def test_cost_policy_keeps_greedy_mtp_equal_to_plain(v32_dirs, path, ckpt, mode)
     model = v32_model(v32_dirs, ckpt, path)
     eng = make_engine(model, nextn=3, mode=mode, max_batch_size=4, spec={"draft_len_policy": "cost"},
                       overlap_scheduler_on_cpu=False)
-    assert eng.policy.policy == "cost"
+    assert eng.spec.policy.policy == "cost"
     assert [s.output_ids for s in run_to_end(eng, PROMPTS, greedy(28))] == [reference(model, p, 28) for p in PROMPTS]
 
 

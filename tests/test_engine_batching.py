@@ -186,9 +186,9 @@ def test_exception_mid_step_frees_blocks(tiny1_model, where, n):
     model = tiny1_model
     eng = make_engine(model, nextn=2, mode="eagle", max_batch_size=3, tokens_per_block=4)
     if where == "runner":
-        eng.runner.execute = FailOnce(eng.runner.execute, n)
+        eng.paths.runner.execute = FailOnce(eng.paths.runner.execute, n)
     else:
-        eng.drafter.propose = FailOnce(eng.drafter.propose, n)
+        eng.spec.drafter.propose = FailOnce(eng.spec.drafter.propose, n)
     seqs = [eng.add_request(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
     with pytest.raises(RuntimeError, match="injected"):
         while eng.has_unfinished():
@@ -206,7 +206,7 @@ def test_exception_mid_step_frees_blocks(tiny1_model, where, n):
 
 def test_exception_through_llm_generate_frees_blocks(tiny1_dir, make_llm):
     llm = make_llm(tiny1_dir, nextn=1, mode="eagle", tokens_per_block=4)
-    llm.engine.drafter.propose = FailOnce(llm.engine.drafter.propose, 3)
+    llm.engine.spec.drafter.propose = FailOnce(llm.engine.spec.drafter.propose, 3)
     with pytest.raises(RuntimeError, match="injected"):
         llm.generate(PROMPTS, PARAMS)
     assert not llm.engine.has_unfinished()

@@ -227,7 +227,7 @@ def test_vanilla_window_table(tiny3_model, K, accepted, window):
     name = {f"o{i}": t for i, t in enumerate(ref)}
     eng = make_engine(model, nextn=K, mode="vanilla")
     oracle = OracleDrafter(K, model.config.vocab_size, lambda seq: accepted)
-    eng.drafter = ControlledDrafter(eng.drafter, oracle)
+    eng.spec.drafter = ControlledDrafter(eng.spec.drafter, oracle)
     seq = eng.add_request(prompt, greedy(12))
     oracle.futures[seq.request_id] = prompt + ref
     eng.step()                                                        # prefill
@@ -312,7 +312,7 @@ def test_rewind_leaves_caches_equal_to_a_fresh_prefill(models, ckpt, mode, K, pa
     oracle = None
     if pattern is not None:
         oracle = OracleDrafter(K, model.config.vocab_size, cycling(pattern))
-        eng.drafter = ControlledDrafter(eng.drafter, oracle)
+        eng.spec.drafter = ControlledDrafter(eng.spec.drafter, oracle)
     seqs = [eng.add_request(p, greedy(40)) for p in prompts]
     if oracle:
         for p, s in zip(prompts, seqs):
@@ -340,7 +340,7 @@ def test_random_acceptance_patterns_keep_every_cache_exact(models, vanilla, K, p
     eng = make_engine(model, nextn=K, mode=mode, tokens_per_block=4, enable_chunked_prefill=budget is not None,
                       max_num_tokens=budget or 8192)
     oracle = OracleDrafter(K, model.config.vocab_size, cycling(pattern))
-    eng.drafter = ControlledDrafter(eng.drafter, oracle)
+    eng.spec.drafter = ControlledDrafter(eng.spec.drafter, oracle)
     prompts = [PROMPTS[first], PROMPTS[(first + 3) % len(PROMPTS)]]
     seqs = [eng.add_request(p, greedy(30)) for p in prompts]
     for p, s in zip(prompts, seqs):

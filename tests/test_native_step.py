@@ -39,7 +39,7 @@ def test_native_step_is_token_exact_and_drafts_as_eager(models, ckpt, K, mode) -
         for p, s, sp in zip(prompts, seqs, params):
             assert s.output_ids == reference(model, p, sp.max_tokens)
         stats.append((eng.stats.num_draft_proposed, eng.stats.num_draft_accepted, eng.num_steps))
-    assert eng.native_step is not None and eng.native_step.num_replays > 0
+    assert eng.paths.native_step is not None and eng.paths.native_step.num_replays > 0
     assert drafts[1] == drafts[0] and stats[1] == stats[0]
     if K:
         assert 0 < eng.stats.num_draft_accepted < eng.stats.num_draft_proposed
@@ -58,7 +58,7 @@ def test_native_step_with_per_row_draft_limits(models, spec) -> None:
         drafts.append(drafts_per_step(eng))
         outs.append([s.output_ids for s in run_to_end(eng, prompts, greedy(MAX_TOKENS))])
     assert outs[0] == outs[1] == [reference(model, p, MAX_TOKENS) for p in prompts]
-    assert drafts[0] == drafts[1] and eng.native_step.num_replays > 0
+    assert drafts[0] == drafts[1] and eng.paths.native_step.num_replays > 0
 
 
 def test_relaxed_thinking_and_sampled_take_the_general_path(models) -> None:
@@ -68,10 +68,10 @@ def test_relaxed_thinking_and_sampled_take_the_general_path(models) -> None:
     outs = []
     for eng in engines(model, nextn=3, mode="eagle", max_batch_size=2, spec=spec):
         outs.append([s.output_ids for s in run_to_end(eng, prompts, greedy(MAX_TOKENS))])
-    assert outs[0] == outs[1] and eng.native_step.num_replays == 0        # every row is thinking: relaxed
+    assert outs[0] == outs[1] and eng.paths.native_step.num_replays == 0        # every row is thinking: relaxed
     _, eng = engines(model, nextn=2, mode="eagle", max_batch_size=2)
     run_to_end(eng, PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0.8, seed=3))
-    assert eng.native_step.num_replays == 0
+    assert eng.paths.native_step.num_replays == 0
 
 
 @pytest.mark.parametrize("mode,K", [("eagle", 3), ("vanilla", 3)])
@@ -88,7 +88,7 @@ def test_native_step_with_the_confidence_gate_drafts_as_eager(models, mode, K) -
         seqs = run_to_end(eng, prompts, greedy(MAX_TOKENS))
         assert [s.output_ids for s in seqs] == [reference(model, p, MAX_TOKENS) for p in prompts]
         stats.append((eng.stats.num_draft_proposed, eng.stats.num_draft_accepted))
-    assert eng.native_step.num_replays > 0 and drafts[0] == drafts[1] and stats[0] == stats[1]
+    assert eng.paths.native_step.num_replays > 0 and drafts[0] == drafts[1] and stats[0] == stats[1]
     lengths = {len(d) for step in drafts[1] for d in step}
     assert len(lengths) > 1 and 0 < stats[1][0] < K * sum(len(step) for step in drafts[1]), \
         f"the gate never stopped a chain (draft lengths {lengths})"
@@ -116,10 +116,10 @@ def test_native_step_under_the_cost_policy_is_lossless(models, mode) -> None:
     model = models["tiny3"]
     prompts = PROMPTS[:6]
     _, eng = engines(model, nextn=3, mode=mode, max_batch_size=4, spec=dict(draft_len_policy="cost"))
-    assert not eng.native_step.fixed_counts
+    assert not eng.paths.native_step.fixed_counts
     seqs = run_to_end(eng, prompts, greedy(MAX_TOKENS))
     assert [s.output_ids for s in seqs] == [reference(model, p, MAX_TOKENS) for p in prompts]
-    assert eng.native_step.num_replays > 0
+    assert eng.paths.native_step.num_replays > 0
 
 
 def test_native_vanilla_step_refuses_short_windows(models) -> None:
@@ -168,14 +168,14 @@ def test_native_step_lets_rows_without_drafts_lag_and_catches_them_up(models) ->
                 r.seq.mtp.draft_len = k
                 out.append(k)
             return out
-        eng.policy.choose = choose
+        eng.spec.policy.choose = choose
         lagged = []
-        run = eng.native_step.run
+        run = eng.paths.native_step.run
 
         def recording(rows, run=run):
-            lagged.append(sum(1 for r in rows if r.seq.mtp.num_valid < r.start and eng.native_step._limit(r)))
+            lagged.append(sum(1 for r in rows if r.seq.mtp.num_valid < r.start and eng.paths.native_step._limit(r)))
             return run(rows)
-        eng.native_step.run = recording
+        eng.paths.native_step.run = recording
         seqs = [eng.add_request(p, greedy(MAX_TOKENS)) for p in prompts]
         checked = 0
         while eng.has_unfinished():
@@ -203,12 +203,12 @@ LOGITS_KINDS = [greedy(MAX_TOKENS, logprobs=5), greedy(MAX_TOKENS, logprobs=0, f
 def on_the_call(eng) -> list[int]:
     """Counts the pure-decode steps the general path's runner ran (none may: they all belong to the native call)."""
     general = [0]
-    execute = eng.runner.execute
+    execute = eng.paths.runner.execute
 
     def recording(rows, meta=None):
         general[0] += all(not r.is_prefill for r in rows)
         return execute(rows, meta)
-    eng.runner.execute = recording
+    eng.paths.runner.execute = recording
     return general
 
 
@@ -229,7 +229,7 @@ def test_rows_that_need_logits_stay_on_the_native_step_and_equal_plain_decoding(
     seen = on_the_call(native)
     seqs = run_to_end(native, PROMPTS, plist)
     assert [(s.output_ids, s.logprobs) for s in seqs] == runs[1]
-    assert seen[0] == 0 and native.native_step.num_replays > 0
+    assert seen[0] == 0 and native.paths.native_step.num_replays > 0
     for p, sp, s in zip(PROMPTS, plist, seqs):
         alone = run_to_end(make_engine(model, max_batch_size=1), [p], sp)[0]
         assert s.output_ids == alone.output_ids and s.logprobs == alone.logprobs
@@ -249,14 +249,14 @@ def test_rows_that_need_logits_verify_in_one_call_on_the_general_step(models) ->
              greedy(MAX_TOKENS, repetition_penalty=1.4), greedy(MAX_TOKENS)]
     for mode in ("eagle", "vanilla"):
         _, eng = engines(model, nextn=3, mode=mode, max_batch_size=4, spec=dict(draft_len_policy="cost"))
-        eng.native_step.step_for = lambda rows: None
+        eng.paths.native_step.step_for = lambda rows: None
         targets = [0]
-        target = eng.native_step.target
+        target = eng.paths.native_step.target
 
         def counting(rows, target=target):
             targets[0] += 1
             return target(rows)
-        eng.native_step.target = counting
+        eng.paths.native_step.target = counting
         seen = on_the_call(eng)
         seqs = run_to_end(eng, prompts, plist)
         for p, sp, s in zip(prompts, plist, seqs):
@@ -288,6 +288,6 @@ def test_logprob_ties_are_ordered_as_the_general_path(tiny1_dir, tmp_path) -> No
     runs = []
     for eng in engines(model, nextn=1, mode="eagle", max_batch_size=5):
         runs.append([s.logprobs for s in run_to_end(eng, PROMPTS[:5], plist)])
-    assert eng.native_step.num_replays > 0 and runs[0] == runs[1]
+    assert eng.paths.native_step.num_replays > 0 and runs[0] == runs[1]
     tops = [e[2] for row in runs[1] for e in row]
     assert any(a[1] == b[1] and a[0] + 1 == b[0] for t in tops for a, b in zip(t, t[1:])), "no tied pair"

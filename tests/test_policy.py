@@ -390,9 +390,9 @@ def scripted(eng, script, defer_prompts=False):
     defer_prompts: whether a step that drafts nothing defers new prompts' MTP forwards (the cost policy's own
     rule, DraftLenPolicy.defers_prompts); off, every prompt runs its MTP forward at prefill."""
     it = iter(script * 1000)
-    eng.policy._decide = lambda *a: (*next(it), False)
+    eng.spec.policy._decide = lambda *a: (*next(it), False)
     if not defer_prompts:
-        eng.policy.defers_prompts = lambda: False
+        eng.spec.policy.defers_prompts = lambda: False
     return eng
 
 
@@ -405,13 +405,13 @@ def record_rows(eng) -> list[list[tuple[int, int]]]:
         log.append([(r.seq.request_id, len(r.token_ids) - 1) for r in rows if not r.is_prefill])
         return execute(rows, meta, *rest)
     eng._target = recording
-    if eng.native_step is not None:      # the whole step in one native call bypasses _target
-        run = eng.native_step.run
+    if eng.paths.native_step is not None:      # the whole step in one native call bypasses _target
+        run = eng.paths.native_step.run
 
         def recording_run(rows):
             log.append([(r.seq.request_id, len(r.token_ids) - 1) for r in rows])
             return run(rows)
-        eng.native_step.run = recording_run
+        eng.paths.native_step.run = recording_run
     return log
 
 
@@ -510,7 +510,7 @@ def test_the_measuring_policy_is_lossless(models, ckpt, mode, K, batch):
     assert sum(st.draft_limit_per_step) >= sum(st.drafts_per_step) > 0
     assert sum(s.stats.draft_limit_per_step[0] if s.stats.draft_limit_per_step else 0 for s in seqs) \
         == st.draft_limit_per_step[0]
-    assert eng.policy.summary()["step_costs"], "nothing was measured"
+    assert eng.spec.policy.summary()["step_costs"], "nothing was measured"
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 

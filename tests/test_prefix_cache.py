@@ -181,7 +181,7 @@ def test_abort_and_failed_step_release_every_block(tiny1_model):
 
     def boom(_rows):
         raise RuntimeError("drafter failed")
-    eng.drafter.propose = boom
+    eng.spec.drafter.propose = boom
     with pytest.raises(RuntimeError, match="drafter failed"):
         eng.step()
     assert b.is_finished and b.finish_reason == "abort"

@@ -45,14 +45,14 @@ def test_the_engine_output_stays_greedy_and_acceptance_follows_the_rates(tiny1_m
     model, prompts, n = tiny1_model, PROMPTS[:6], 48
     conts = {tuple(p): reference(model, p, n + 8) for p in prompts}
     eng = make_engine(model, nextn=3, mode="eagle", spec=dict(draft_len_policy="fixed"))
-    eng.replay = ReplayDrafts((0.8, 0.5, 0.5), conts, model.config.vocab_size, seed=1)
+    eng.spec.replay = ReplayDrafts((0.8, 0.5, 0.5), conts, model.config.vocab_size, seed=1)
     seqs = run_to_end(eng, prompts, greedy(n))
     for p, s in zip(prompts, seqs):
         assert s.output_ids == reference(model, p, n)
     st = eng.stats
     got = [a / b for a, b in zip(st.accepted_per_position, st.proposed_per_position)]
     assert got == pytest.approx([0.8, 0.4, 0.2], abs=0.08), got
-    assert eng.replay.num_replaced > 0
+    assert eng.spec.replay.num_replaced > 0
 
 
 def test_bench_labels_a_replayed_run(tmp_path, tiny1_dir):

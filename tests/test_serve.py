@@ -463,7 +463,7 @@ def test_request_whose_output_processing_raises_fails_alone(servers, offline, mo
 
 def test_engine_step_that_raises_fails_its_requests_and_the_server_goes_on(servers, offline, monkeypatch) -> None:
     url = servers["mtp"]
-    runner = url.state.engine.llm.engine.runner
+    runner = url.state.engine.llm.engine.paths.runner
     execute = runner.execute
     armed = [True]
 

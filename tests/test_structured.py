@@ -208,5 +208,5 @@ def test_guided_requests_stay_on_the_native_step_and_equal_plain_decoding(tiny1_
     general = on_the_call(eng)
     out = llm.generate(texts, plist)
     assert [(o.token_ids, o.logprobs) for o in out] == [(o.token_ids, o.logprobs) for o in ref]
-    assert general[0] == 0 and eng.native_step.num_replays > 0 and eng.stats.num_draft_accepted > 0
+    assert general[0] == 0 and eng.paths.native_step.num_replays > 0 and eng.stats.num_draft_accepted > 0
     assert any(o.finish_reason == "stop" for o in out)

@@ -32,9 +32,9 @@ class _Live:
 def check_fits(engine: Engine, prompts: list[list[int]], output_tokens: list[int], ignore_eos: bool) -> None:
     """Every request must be able to emit its output_tokens within max_seq_len (else the run measures less)."""
     for i, (p, n) in enumerate(zip(prompts, output_tokens)):
-        if ignore_eos and len(p) + n > engine.max_seq_len:
+        if ignore_eos and len(p) + n > engine.stops.max_seq_len:
             raise ValueError(f"request {i} has {len(p)} input + {n} output tokens but max_seq_len is "
-                             f"{engine.max_seq_len}; lower output_tokens or raise --max_seq_len")
+                             f"{engine.stops.max_seq_len}; lower output_tokens or raise --max_seq_len")
 
 
 def run_requests(engine: Engine, prompts: list[list[int]], output_tokens: list[int], concurrency: int,

@@ -147,7 +147,7 @@ def forward_costs(model: Any, base: LLMConfig, eos: list[int], prompt: list[int]
     ids = torch.tensor(prompt[-1:], device=base.device)
     out: dict[str, float] = {}
     with torch.inference_mode():
-        path = engine.forward_path
+        path = engine.paths.forward_path
         hidden = path.forward(ids, meta, engine.caches)
         calls = {"main_forward_ms": lambda: path.forward(ids, meta, engine.caches),
                  "mtp_forward_ms": lambda: path.mtp_forward(0, ids, hidden, meta, engine.caches)}
@@ -163,7 +163,7 @@ def forward_costs(model: Any, base: LLMConfig, eos: list[int], prompt: list[int]
     if not seq.is_finished:
         engine.abort(seq)
     out["mtp_over_main"] = out["mtp_forward_ms"] / out["main_forward_ms"]
-    out["native"] = engine.forward_path.name == "native"
+    out["native"] = engine.paths.forward_path.name == "native"
     return out
 
 

@@ -78,10 +78,10 @@ class DistributedEngine(Engine):
             cfg = replace(cfg, cuda_graph_config=None)
         super().__init__(model, agreed_kv_config(model, cfg, par), eos_token_ids, think_ids, drafter,
                          iter_log if par.is_output_rank else None)
-        if self.drafter is not None and par.world_size > 1:
-            self.drafter = BroadcastDrafter(self.drafter, par)
+        if self.spec.drafter is not None and par.world_size > 1:
+            self.spec.drafter = BroadcastDrafter(self.spec.drafter, par)
 
     def _verify(self, rows: list[ScheduledRow], out: TargetOutput) -> VerifyResult:
         result = super()._verify(rows, out)
         # rank 0's tokens for every rank; logprobs (reported by rank 0 only) are those of rank 0's tokens
-        return VerifyResult(self.par.broadcast_token_lists(result.tokens, self.draft_len + 1), result.logprobs)
+        return VerifyResult(self.par.broadcast_token_lists(result.tokens, self.spec.draft_len + 1), result.logprobs)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -45,6 +46,11 @@ from mtp_core.speculative.policy import DraftLenPolicy
 from mtp_core.speculative.verifier import Acceptance, VerifyResult
 from mtp_core.structured import GrammarBackend, Guided
 
+if TYPE_CHECKING:
+    from mtp_core.engine.native_step import NativeStep
+    from mtp_core.engine.static_step import GraphRunner
+    from mtp_core.model.forward_path import ForwardPath
+
 log = logging.getLogger("mtp.engine")
 
 
@@ -63,67 +69,104 @@ class GeneralRoute:
         return StepOutput(rows, verified, out)
 
 
+@dataclass
+class Stops:
+    """What ends and bounds a request's output: its stop tokens, the <think> / </think> pair, its longest length."""
+    eos_token_ids: set[int]
+    think_ids: Optional[tuple[int, int]]
+    max_seq_len: int
+
+
+@dataclass
+class Drafting:
+    """The speculative side of the engine: the most drafts a row verifies (0: no MTP), which rule verifies each
+    row (speculative/verifier.py), the draft-length policy, the drafter (None without MTP), and for benchmarks
+    only a replay that replaces the proposed drafts to meet a given acceptance (speculative/replay.py)."""
+    draft_len: int
+    acceptance: Acceptance
+    policy: DraftLenPolicy
+    drafter: Optional[Drafter]
+    replay: Optional[Callable[[Sequence, list[int]], list[int]]] = None
+
+
+@dataclass
+class StepPaths:
+    """How a step runs: the forward path (native or torch) of every eager forward, the general path's runner, the
+    overlap worker (None: off), the fused steps (CUDA graphs, the native CPU step; None where absent) and the
+    routes in the order the engine tries them (engine/step.py)."""
+    forward_path: ForwardPath
+    runner: ModelRunner
+    overlap: Optional[OverlapScheduler]
+    graphs: Optional[GraphRunner]
+    native_step: Optional[NativeStep]
+    routes: list[Route] = field(default_factory=list)
+
+
+@dataclass
+class Grammars:
+    """Structured output: the factory LLM sets (it has the tokenizer), the backend built from it on first use."""
+    factory: Optional[Callable[[], GrammarBackend]] = None
+    backend: Optional[GrammarBackend] = None
+
+
 class Engine:
     def __init__(self, model: DeepseekV3ForCausalLM, cfg: LLMConfig, eos_token_ids: list[int],
                  think_ids: Optional[tuple[int, int]] = None, drafter: Optional[Drafter] = None,
                  iter_log: Optional[Callable[[str], None]] = None) -> None:
         self.model, self.cfg = model, cfg
-        self.eos_token_ids = set(eos_token_ids)
-        self.think_ids = think_ids
         spec = cfg.speculative_config
-        self.draft_len = spec.max_draft_len if spec else 0
-        self.max_seq_len = cfg.max_seq_len or model.config.max_position_embeddings
+        draft_len = spec.max_draft_len if spec else 0
+        self.stops = Stops(set(eos_token_ids), think_ids, cfg.max_seq_len or model.config.max_position_embeddings)
         # which rule verifies each row (speculative/verifier.py): strict, relaxed where it is on, sampled, guided
-        self.acceptance = Acceptance.of(spec, Guided.pair(think_ids))
+        acceptance = Acceptance.of(spec, Guided.pair(think_ids))
         if spec and spec.use_relaxed_acceptance_for_thinking and think_ids is None:
             raise ValueError("relaxed acceptance for thinking needs <think> and </think> tokens, but the tokenizer "
                              "has neither; drop --use_relaxed_acceptance_for_thinking")
-        self.forward_path = serving_forward(model)     # native or torch, for every eager forward of this engine
+        forward_path = serving_forward(model)          # native or torch, for every eager forward of this engine
         kv = cfg.kv_cache_config
         device = cfg.device
         # the KV cache in the model's dtype, or e4m3 (kv_cache_config.dtype fp8: per-tensor scale 1, see
         # kv_cache/mla_cache.py), on every device
         dtype = torch.float8_e4m3fn if kv.dtype == "fp8" else next(model.parameters()).dtype
-        num_layers = len(model.model.layers) if self.draft_len else model.num_main_layers
+        num_layers = len(model.model.layers) if draft_len else model.num_main_layers
         num_blocks = plan_num_blocks(model.config, kv, num_layers, dtype, device,
-                                     cfg.max_batch_size * (self.max_seq_len + 2 * self.draft_len))
+                                     cfg.max_batch_size * (self.stops.max_seq_len + 2 * draft_len))
         if num_blocks < 1:
             raise ValueError(f"the KV cache pool holds no block of {kv.tokens_per_block} tokens; raise "
                              "kv_cache_config.max_tokens or --kv_cache_fraction")
         self.caches = allocate_caches(model.config, num_layers, num_blocks, kv.tokens_per_block, dtype, device)
         self.blocks = BlockManager(num_blocks, kv.tokens_per_block, enable_reuse=kv.enable_block_reuse)
         self.blocks.copy_block = partial(copy_block, self.caches)
-        self.policy = self._make_policy()
-        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, self.draft_len + 1),
-                                   self.draft_len, cfg.enable_chunked_prefill, policy=self.policy)
-        self.runner = ModelRunner(self.forward_path, self.caches, kv.tokens_per_block, device)
-        self.drafter = drafter if drafter is not None else make_drafter(model, self.forward_path, self.caches,
-                                                                        kv.tokens_per_block, spec)
-        mode = spec.resolved_mode(model.num_mtp_modules) if self.draft_len and model.num_mtp_modules else None
-        self.scheduler.reuse = ReusePolicy.for_drafting(mode, self.draft_len)
+        policy = self._make_policy(draft_len)
+        self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, draft_len + 1),
+                                   draft_len, cfg.enable_chunked_prefill, policy=policy)
+        runner = ModelRunner(forward_path, self.caches, kv.tokens_per_block, device)
+        self.spec = Drafting(draft_len, acceptance, policy,
+                             drafter if drafter is not None else make_drafter(model, forward_path, self.caches,
+                                                                              kv.tokens_per_block, spec))
+        mode = spec.resolved_mode(model.num_mtp_modules) if draft_len and model.num_mtp_modules else None
+        self.scheduler.reuse = ReusePolicy.for_drafting(mode, draft_len)
         self.iter_log = iter_log
         self.num_steps = 0
-        overlap = (not cfg.disable_overlap_scheduler and self.drafter is not None
+        overlap = (not cfg.disable_overlap_scheduler and self.spec.drafter is not None
                    and (torch.device(cfg.device).type != "cpu" or cfg.overlap_scheduler_on_cpu))
-        self._overlap = OverlapScheduler(self.scheduler, self.runner) if overlap else None
-        self.graphs, self.native_step = make_static_steps(
-            model, self.forward_path, cfg, self.caches, self.blocks, self.draft_len, mode, self.acceptance,
-            self.max_seq_len, fixed_counts=self.policy.policy == "fixed", overlap=overlap,
+        graphs, native_step = make_static_steps(
+            model, forward_path, cfg, self.caches, self.blocks, draft_len, mode, acceptance,
+            self.stops.max_seq_len, fixed_counts=policy.policy == "fixed", overlap=overlap,
             injected_drafter=drafter is not None)
+        self.paths = StepPaths(forward_path, runner, OverlapScheduler(self.scheduler, runner) if overlap else None,
+                               graphs, native_step)
         # a static step's padded rows hold one block of the pool for good
-        self.pool_tokens = (num_blocks - (self.graphs is not None)) * kv.tokens_per_block
-        self.grammar_factory: Optional[Callable[[], GrammarBackend]] = None   # set by LLM (it has the tokenizer)
-        self.grammars: Optional[GrammarBackend] = None
-        if self.native_step is not None:
-            self.native_step.bind(self.eos_token_ids, think_ids)
+        self.pool_tokens = (num_blocks - (graphs is not None)) * kv.tokens_per_block
+        self.grammar = Grammars()
+        if native_step is not None:
+            native_step.bind(self.stops.eos_token_ids, think_ids)
         # the routes a step can take (engine/step.py), in order: the fused step where the batch allows, else the
         # general path, which takes any batch
-        self.routes: list[Route] = [FusedRoute(f) for f in (self.graphs, self.native_step) if f is not None]
-        self.routes.append(GeneralRoute(self))
-        # benchmarks only: replaces the proposed drafts to meet a given acceptance (speculative/replay.py)
-        self.replay: Optional[Callable[[Sequence, list[int]], list[int]]] = None
+        self.paths.routes = [FusedRoute(f) for f in (graphs, native_step) if f is not None]
+        self.paths.routes.append(GeneralRoute(self))
 
-    def _make_policy(self) -> DraftLenPolicy:
+    def _make_policy(self, draft_len: int) -> DraftLenPolicy:
         """The draft-length policy (speculative/policy.py). Under tensor / expert parallelism every rank
         must choose the same counts, so measured (per-rank) costs cannot decide: fixed there."""
         spec, cfg = self.cfg.speculative_config, self.cfg
@@ -132,20 +175,20 @@ class Engine:
         policy = spec.draft_len_policy
         if policy == "cost" and cfg.tensor_parallel_size * cfg.moe_expert_parallel_size > 1:
             log.warning("draft_len_policy cost chooses from this process's measured step times, which ranks do "
-                        "not share; drafting %d per step (fixed)", self.draft_len)
+                        "not share; drafting %d per step (fixed)", draft_len)
             policy = "fixed"
         if policy == "cost" and spec.use_relaxed_acceptance_for_thinking:
             log.warning("relaxed acceptance emits accepted drafts, so thinking-phase text depends on how many are "
                         "verified, which draft_len_policy cost chooses from measured timings: it may differ between "
                         "runs; set draft_len_policy: fixed for reproducible relaxed output")
         n = self.model.num_mtp_modules
-        modules = self.draft_len if n and spec.resolved_mode(n) == "vanilla" else 1    # MTP modules one catch-up runs
-        log.info("draft length: %s", f"0..{self.draft_len} per step, chosen from measured step costs (draft_len_policy "
-                 f"cost)" if policy == "cost" else f"{self.draft_len} per step (draft_len_policy fixed)")
+        modules = draft_len if n and spec.resolved_mode(n) == "vanilla" else 1    # MTP modules one catch-up runs
+        log.info("draft length: %s", f"0..{draft_len} per step, chosen from measured step costs (draft_len_policy "
+                 f"cost)" if policy == "cost" else f"{draft_len} per step (draft_len_policy fixed)")
         # on a CPU the step's cost is the engine thread's CPU time: a shared machine's other load and idle
         # gaps between requests stay out of it; a GPU's work runs beside the thread, so wall time there
         clock = time.thread_time if torch.device(cfg.device).type == "cpu" else time.perf_counter
-        return DraftLenPolicy(self.draft_len, DraftLimits.from_spec(spec, cfg.max_batch_size), policy,
+        return DraftLenPolicy(draft_len, DraftLimits.from_spec(spec, cfg.max_batch_size), policy,
                               modules / max(self.model.num_main_layers, 1), clock)
 
     # ---- requests ------------------------------------------------------------------------
@@ -153,26 +196,26 @@ class Engine:
         params.validate()
         if not prompt_ids:
             raise ValueError("the prompt is empty; give at least one token")
-        if len(prompt_ids) >= self.max_seq_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but max_seq_len is {self.max_seq_len}; "
+        if len(prompt_ids) >= self.stops.max_seq_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens but max_seq_len is {self.stops.max_seq_len}; "
                              "shorten the prompt or raise --max_seq_len")
-        need = len(prompt_ids) + 1 + 2 * self.draft_len
+        need = len(prompt_ids) + 1 + 2 * self.spec.draft_len
         if need > self.pool_tokens:
             raise ValueError(f"the prompt needs {need} KV slots but the whole KV cache pool holds "
                              f"{self.pool_tokens}; raise kv_cache_config.max_tokens or --kv_cache_fraction")
         seq = Sequence(list(prompt_ids), params, arrival_time=time.perf_counter())
         if params.guided is not None:
-            if self.grammars is None:
-                if self.grammar_factory is None:
+            if self.grammar.backend is None:
+                if self.grammar.factory is None:
                     raise ValueError("structured output needs the engine's tokenizer; create the engine through LLM")
-                self.grammars = self.grammar_factory()
-            seq.matcher = self.grammars.matcher(params.guided)        # a bad schema: ValueError
+                self.grammar.backend = self.grammar.factory()
+            seq.matcher = self.grammar.backend.matcher(params.guided)        # a bad schema: ValueError
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]             # the first prompt token has no logprob
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.cfg.device).manual_seed(params.seed)
-        if self.think_ids is not None:
-            start, end = self.think_ids
+        if self.stops.think_ids is not None:
+            start, end = self.stops.think_ids
             last = max((i for i, t in enumerate(prompt_ids) if t in (start, end)), default=-1)
             seq.in_thinking = last >= 0 and prompt_ids[last] == start
         self.scheduler.add(seq)
@@ -183,7 +226,7 @@ class Engine:
 
     @property
     def overlap(self) -> bool:
-        return self._overlap is not None
+        return self.paths.overlap is not None
 
     @property
     def stats(self) -> SpecStats:
@@ -201,14 +244,14 @@ class Engine:
     def step(self) -> list[Sequence]:
         """Runs one engine step; returns the sequences that made progress (finished ones included)."""
         # t0 for the iteration log; c0, c1 on the policy's clock: the step's start and the end of its commit
-        t0, c0 = time.perf_counter(), self.policy.clock()
+        t0, c0 = time.perf_counter(), self.spec.policy.clock()
         rows, meta = self._schedule()
         if not rows:
             return []
         try:
             step = self._forward(rows, meta)
             inputs = self._commit(step)
-            c1 = self.policy.clock()
+            c1 = self.spec.policy.clock()
             self._choose_drafts(inputs, step)
             drafts = self._propose(inputs, step)
             self._store_drafts(inputs, drafts)
@@ -220,8 +263,8 @@ class Engine:
 
     def _abort_step(self, rows: list[ScheduledRow]) -> None:
         """Leaves no half-done step behind: every sequence of a failed step is finished with "abort"."""
-        if self._overlap is not None:
-            self._overlap.prepared = None
+        if self.paths.overlap is not None:
+            self.paths.overlap.prepared = None
         for r in rows:
             if not r.seq.is_finished:
                 r.seq.finish_reason = "abort"
@@ -230,7 +273,7 @@ class Engine:
     def _schedule(self) -> tuple[list[ScheduledRow], Optional[AttentionMetadata]]:
         """The step's rows: prepared ahead by the overlap worker, or scheduled now (their attention metadata is
         then built by the general path when it runs; a fused step needs none)."""
-        prepared = self._overlap.take() if self._overlap is not None else None
+        prepared = self.paths.overlap.take() if self.paths.overlap is not None else None
         rows, meta = prepared if prepared is not None else (self.scheduler.schedule(), None)
         if not rows and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not place any request in a step (KV pool or token budget "
@@ -243,20 +286,20 @@ class Engine:
         min_tokens, grammars) stay on the native CPU step, which prepares what they need along their drafts; the
         CUDA-graph step leaves them to the general path. The forward is batch-invariant, so every row's tokens and
         logprobs are the same on every path."""
-        return next(r for r in self.routes if r.accepts(rows)).step(rows, meta)
+        return next(r for r in self.paths.routes if r.accepts(rows)).step(rows, meta)
 
     def _target(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]
                 ) -> tuple[TargetOutput, VerifyResult]:
         """The general path's target forward and verification: one native call where the batch allows
         (NativeStep.target), else runner.execute and the verifier."""
-        if self.native_step is not None and self.native_step.can_verify(rows):
-            verified, hidden = self.native_step.target(rows)
+        if self.paths.native_step is not None and self.paths.native_step.can_verify(rows):
+            verified, hidden = self.paths.native_step.target(rows)
             return TargetOutput(hidden, [None] * len(rows)), verified
-        out = self.runner.execute(rows, meta)
+        out = self.paths.runner.execute(rows, meta)
         return out, self._verify(rows, out)
 
     def _verify(self, rows: list[ScheduledRow], out: TargetOutput) -> VerifyResult:
-        return verify_rows(rows, out, self.eos_token_ids, self.acceptance)
+        return verify_rows(rows, out, self.stops.eos_token_ids, self.spec.acceptance)
 
     def _commit(self, step: StepOutput) -> list[DraftInput]:
         """Appends the emitted tokens and records each request's statistics; the draft inputs carry the target
@@ -271,14 +314,14 @@ class Engine:
                     seq.score_prompt(r.start, out.prompt_logits[n_row])
                 seq.num_prefilled += len(r.token_ids)
             if emitted:
-                n_emitted = seq.append(emitted, self.eos_token_ids, self.think_ids, self.max_seq_len)
+                n_emitted = seq.append(emitted, self.stops.eos_token_ids, self.stops.think_ids, self.stops.max_seq_len)
                 if verified.logprobs is not None and verified.logprobs[n_row] is not None:
                     seq.logprobs.extend(verified.logprobs[n_row][:n_emitted])
                 proposed = len(r.token_ids) - 1 if not r.is_prefill else 0
                 seq.stats.record_step(n_emitted, proposed, len(emitted) - 1)
-                if not r.is_prefill and self.drafter is not None:
+                if not r.is_prefill and self.spec.drafter is not None:
                     seq.stats.record_decode(proposed)
-                    self.policy.observe(seq.mtp, proposed, len(emitted) - 1, seq.stats)
+                    self.spec.policy.observe(seq.mtp, proposed, len(emitted) - 1, seq.stats)
                 if seq.finish_reason is not None:      # its statistics are complete: the scheduler sums them
                     self.scheduler.finish(seq)
                 if seq.first_token_time is None:
@@ -296,10 +339,10 @@ class Engine:
     def _choose_drafts(self, inputs: list[DraftInput], step: StepOutput) -> None:
         """Once per step: the policy's draft count for each row's next step (inp.max_drafts), recorded in the
         request's statistics. Without MTP only a fused step chooses (0 for every row: it drafts none)."""
-        if self.drafter is None and step.drafts is None:
+        if self.spec.drafter is None and step.drafts is None:
             return
-        in_flight = self.policy.in_flight(len(self.scheduler.running), len(self.scheduler.waiting))
-        for inp, k in zip(inputs, self.policy.choose(inputs, in_flight)):
+        in_flight = self.spec.policy.in_flight(len(self.scheduler.running), len(self.scheduler.waiting))
+        for inp, k in zip(inputs, self.spec.policy.choose(inputs, in_flight)):
             inp.max_drafts = k
             if inp.needs_drafts and not inp.seq.mtp.is_off:
                 inp.seq.stats.record_limit(k)
@@ -309,29 +352,29 @@ class Engine:
         backlog (speculative/backlog.py), while the overlap worker prepares the next step. With an acceptance
         replay (benchmarks only, speculative/replay.py) the drafts are then replaced."""
         drafts = self._drafts(inputs, step)
-        if self.replay is not None:
-            drafts = [self.replay(i.seq, d) for i, d in zip(inputs, drafts)]
+        if self.spec.replay is not None:
+            drafts = [self.spec.replay(i.seq, d) for i, d in zip(inputs, drafts)]
         return drafts
 
     def _drafts(self, inputs: list[DraftInput], step: StepOutput) -> list[list[int]]:
         if step.drafts is not None:
             return [step.drafts[i.seq.request_id][:i.max_drafts] for i in inputs]
-        if self.drafter is None:
+        if self.spec.drafter is None:
             return [[] for _ in inputs]
         # a step of one token per row (every row verified no draft): its output holds only states that rows
         # which skip drafting keep, so they may keep views of it instead of copies
         views_ok = all(not r.is_prefill and len(r.token_ids) == 1 for r in step.rows)
         # prefix caching shares only blocks whose MTP entries are written: a deferred prompt still fills its full ones
         shared = self.blocks.tokens_per_block if self.blocks.enable_reuse and self.scheduler.reuse.mtp else 0
-        propose = partial(backlog.propose, self.drafter, inputs, views_ok, self.policy.defers_prompts(), shared)
-        if self._overlap is not None and any(i.needs_drafts for i in inputs):
-            return self._overlap.while_drafting(propose)
+        propose = partial(backlog.propose, self.spec.drafter, inputs, views_ok, self.spec.policy.defers_prompts(), shared)
+        if self.paths.overlap is not None and any(i.needs_drafts for i in inputs):
+            return self.paths.overlap.while_drafting(propose)
         return propose()
 
     def _store_drafts(self, inputs: list[DraftInput], drafts: list[list[int]]) -> None:
         """Keeps each row's drafts for the next step and drops the KV blocks past its valid length (unless the
         next step was prepared ahead: it keeps them); registers the blocks now final in the prefix cache."""
-        rewind = self._overlap is None or self._overlap.prepared is None
+        rewind = self.paths.overlap is None or self.paths.overlap.prepared is None
         for inp, d in zip(inputs, drafts):
             seq = inp.seq
             seq.mtp.drafts = d
@@ -339,13 +382,13 @@ class Engine:
                 self.blocks.rewind(seq.block_table, seq.num_cached)
             if not seq.is_finished:
                 self.scheduler.settle(seq)          # prefix cache: register the blocks now final
-        if self._overlap is not None:
-            self._overlap.fill_drafts()
+        if self.paths.overlap is not None:
+            self.paths.overlap.fill_drafts()
 
     def _finish_step(self, step: StepOutput, t0: float, c0: float, c1: float) -> None:
         """t0: the step's start (perf_counter); c0, c1: its start and the end of its commit on the policy's clock."""
         rows = step.rows
-        self.policy.record_step(rows, c0, c1, self.policy.clock())
+        self.spec.policy.record_step(rows, c0, c1, self.spec.policy.clock())
         self.num_steps += 1
         if self.iter_log:
             ntok = sum(len(r.token_ids) for r in rows)
@@ -355,8 +398,8 @@ class Engine:
 
     def close(self) -> None:
         """Stops the overlap scheduler's worker thread; the engine takes no more steps after this."""
-        if self._overlap is not None:
-            self._overlap.close()
+        if self.paths.overlap is not None:
+            self.paths.overlap.close()
 
     def reset_prefix_cache(self) -> None:
         """Drop every unreferenced cached block and zero the hit statistics (e.g. after a warm-up)."""
@@ -365,5 +408,5 @@ class Engine:
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
-        if self._overlap is not None:
-            self._overlap.prepared = None   # a prepared step may hold the aborted sequence
+        if self.paths.overlap is not None:
+            self.paths.overlap.prepared = None   # a prepared step may hold the aborted sequence

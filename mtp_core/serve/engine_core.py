@@ -47,8 +47,8 @@ class EngineCore:
 
     def ready(self, server_info: dict) -> Ready:
         eng = self.engine
-        return Ready(max_seq_len=eng.max_seq_len, pool_tokens=eng.pool_tokens,
-                     vocab_size=self.llm.model.config.vocab_size, num_draft_tokens=eng.draft_len,
+        return Ready(max_seq_len=eng.stops.max_seq_len, pool_tokens=eng.pool_tokens,
+                     vocab_size=self.llm.model.config.vocab_size, num_draft_tokens=eng.spec.draft_len,
                      server_info=server_info)
 
     # ---- commands ----------------------------------------------------------------------------
@@ -162,7 +162,7 @@ class EngineCore:
         sch, blocks = eng.scheduler, eng.blocks
         s.num_running, s.num_waiting = len(sch.running), len(sch.waiting)
         s.kv_free_blocks = blocks.num_free_blocks
-        s.kv_total_blocks = blocks.num_blocks - (1 if eng.graphs is not None else 0)
+        s.kv_total_blocks = blocks.num_blocks - (1 if eng.paths.graphs is not None else 0)
         s.num_preemptions = sch.num_preemptions
         pc = getattr(blocks, "stats", None)
         if pc is not None:

@@ -34,7 +34,7 @@ def server_info(cfg: Any, llm: Any) -> dict:
     info = {"engine": engine_info(cfg, llm.model), "machine": machine_info(cfg.device),
             "world_info": world_info(cfg, 0), "mode": mode_name(cfg, llm.model.num_mtp_modules),
             "max_draft_len": cfg.speculative_config.max_draft_len if cfg.speculative_config else 0,
-            "max_seq_len": llm.engine.max_seq_len}
+            "max_seq_len": llm.engine.stops.max_seq_len}
     return json.loads(json.dumps(info, default=str))        # plain JSON values (torch.__version__ is a str subclass)
 
 

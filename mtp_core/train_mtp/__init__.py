@@ -134,7 +134,7 @@ def acceptance(model_dir: Path, o: FinetuneOptions, prompts: list[list[int]], se
     from mtp_core.llm import LLM
 
     llm = LLM(LLMConfig(model_dir=str(model_dir), max_batch_size=o.max_batch_size, num_threads=o.num_threads))
-    eos, think = sorted(llm.engine.eos_token_ids), llm.engine.think_ids
+    eos, think = sorted(llm.engine.stops.eos_token_ids), llm.engine.stops.think_ids
     base = llm.config
     del llm.engine
     res = {}

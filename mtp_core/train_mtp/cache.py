@@ -144,7 +144,7 @@ def build_cache(o: FinetuneOptions, gen: Generator, prompts: list[list[int]], me
                              "another --work_dir")
         outs = gen.continuations(chunk, first)
         seqs = [p + q for p, q in zip(chunk, outs)]
-        rec = record_targets(gen.llm.model, gen.llm.engine.forward_path, seqs, o.topk)
+        rec = record_targets(gen.llm.model, gen.llm.engine.paths.forward_path, seqs, o.topk)
         lens = torch.tensor([len(s) for s in seqs], dtype=torch.int64)
         _atomic_save({"ids": torch.tensor([t for s in seqs for t in s], dtype=torch.int32),
                       "hidden": torch.cat([r[0] for r in rec]).contiguous(),
