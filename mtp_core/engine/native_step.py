@@ -59,6 +59,7 @@ class NativeStep:
         self.native = native
         self.hidden_size = model.config.hidden_size
         self.mtp_layer = model.num_main_layers if K else -1  # the first MTP module; -1: no drafting (nextn = 0)
+        self.main_caches = caches[:model.num_main_layers]    # what a step in which no row drafts passes
         self.vanilla = vanilla and K > 1                     # modules 0..K-1, each over the row's window
         self.acceptance = acceptance                         # which rows the call verifies (strict, guided)
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
@@ -229,11 +230,13 @@ class NativeStep:
         drafting = mtp_layer >= 0 and any(limits)
         window = self._windows(rows, limits) if drafting and (vanilla or any(
             r.seq.mtp.num_valid != r.start for r, n in zip(rows, limits) if n)) else (None, None, None, None)
+        # a step in which no row drafts is the call of an engine without MTP: no MTP layer, the main caches only
+        caches = self.caches if drafting else self.main_caches
         logits = self._logits_args(rows)
         out, hidden, windows, lp_vals, lp_ids = nd.step_op(
             nd.handle, _i64(ids), _i32(qs), _i64([r.start for r in rows]), tables, _i32(limits),
-            self.caches, nd.rope_cos, nd.rope_sin, mtp_layer, self.draft_len if vanilla else 1, *window,
-            self.confidence if drafting else 0.0, **(logits or {}))
+            caches, nd.rope_cos, nd.rope_sin, mtp_layer if drafting else -1, self.draft_len if vanilla and drafting
+            else 1, *window, self.confidence if drafting else 0.0, **(logits or {}))
         out = out.tolist()
         top = logits.get("top_logprobs") if logits else None
         return out, hidden, windows, None if top is None else \
