@@ -54,9 +54,26 @@ if TYPE_CHECKING:
 log = logging.getLogger("mtp.engine")
 
 
+class NativeTargetRoute:
+    """The general path's target forward and verification in one native call (NativeStep.target) for a greedy batch
+    the call verifies (NativeStep.can_verify) but the fused native step does not take (a drafting row lacks the
+    stored states its MTP forwards re-read): the hidden states go to the drafter in the engine's propose stage, as
+    on the general path."""
+
+    def __init__(self, native: "NativeStep") -> None:
+        self.native = native
+
+    def accepts(self, rows: list[ScheduledRow]) -> bool:
+        return self.native.can_verify(rows)
+
+    def step(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]) -> StepOutput:
+        verified, hidden = self.native.target(rows)
+        return StepOutput(rows, verified, TargetOutput(hidden, [None] * len(rows)))
+
+
 class GeneralRoute:
     """The general path as a route (engine/step.py): it accepts every batch; Engine._target runs the target forward
-    and the verification, the engine's propose stage the drafter."""
+    (ModelRunner) and the verifier, the engine's propose stage the drafter."""
 
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
@@ -164,6 +181,7 @@ class Engine:
         # the routes a step can take (engine/step.py), in order: the fused step where the batch allows, else the
         # general path, which takes any batch
         self.paths.routes = [FusedRoute(f) for f in (graphs, native_step) if f is not None]
+        self.paths.routes += [NativeTargetRoute(native_step)] if native_step is not None else []
         self.paths.routes.append(GeneralRoute(self))
 
     def _make_policy(self, draft_len: int) -> DraftLenPolicy:
@@ -290,11 +308,7 @@ class Engine:
 
     def _target(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]
                 ) -> tuple[TargetOutput, VerifyResult]:
-        """The general path's target forward and verification: one native call where the batch allows
-        (NativeStep.target), else runner.execute and the verifier."""
-        if self.paths.native_step is not None and self.paths.native_step.can_verify(rows):
-            verified, hidden = self.paths.native_step.target(rows)
-            return TargetOutput(hidden, [None] * len(rows)), verified
+        """The general path's target forward (runner.execute) and verification (the verifier)."""
         out = self.paths.runner.execute(rows, meta)
         return out, self._verify(rows, out)
 

@@ -6,9 +6,11 @@ engine holds its routes in order and takes the first that accepts the batch (Eng
 - the static step (static_step.GraphRunner: a CUDA graph per batch size) or the native step (native_step.NativeStep:
   one mtp_core::mtp_step call), each wrapped as a `FusedRoute`: the target forward, the verification and the next
   drafts at once, the MTP state settled inside (speculative/backlog.py: settle);
+- the native target (Engine's `NativeTargetRoute`): the target forward and the verification of a greedy batch in
+  one native call (NativeStep.target) where the fused native step does not take it, then the drafter in the
+  engine's propose stage;
 - the general path (Engine's `GeneralRoute`): the target forward and verification (model_runner.py and the
-  verifier, or one native call for both where the rows allow), then the drafter in the engine's propose stage.
-  It accepts every batch.
+  verifier), then the drafter in the engine's propose stage. It accepts every batch.
 
 Which acceptance rules a fused step verifies is the rules' own answer (speculative/verifier.py: Acceptance.fused).
 """
