@@ -49,13 +49,17 @@ inline int64_t steps_of(int64_t K) { return (K + kStep - 1) / kStep; }
 // ---- NVFP4 step geometry --------------------------------------------------------------------------------
 // A row of K inputs: nb blocks of 256 (4 steps each), then a last block of gt groups (0: none; 4 steps if
 // gt > 8, 2 if gt <= 8).
+inline int64_t nv4_steps(int64_t K) {
+  const int64_t gt = (K % 256) / 16;
+  return 4 * (K / 256) + (gt == 0 ? 0 : gt > 8 ? 4 : 2);
+}
 struct Nv4Geo {
   int64_t nb, gt, steps;
-  __m512i tail_idx;   // gt <= 8: lane l takes group l % gt's scale
-  explicit Nv4Geo(int64_t K)
-      : nb(K / 256), gt((K % 256) / 16), steps(4 * (K / 256) + (gt == 0 ? 0 : gt > 8 ? 4 : 2)) {
+  __m512i tail_idx;   // 0 < gt <= 8: lane l takes group l % gt's scale (unused otherwise)
+  explicit Nv4Geo(int64_t K) : nb(K / 256), gt((K % 256) / 16), steps(nv4_steps(K)), tail_idx(_mm512_setzero_si512()) {
+    if (gt == 0 || gt > 8) return;
     alignas(64) int32_t idx[16];
-    for (int l = 0; l < 16; ++l) idx[l] = gt > 0 ? static_cast<int32_t>(l % gt) : l;
+    for (int l = 0; l < 16; ++l) idx[l] = static_cast<int32_t>(l % gt);
     tail_idx = _mm512_load_si512(idx);
   }
 };
@@ -100,7 +104,7 @@ struct Nv4Slots {   // [G][4 steps][64 slots], G = 0 standing for a whole block 
   }
 };
 const Nv4Slots kNv4Slots{};
-inline int64_t steps_for(int64_t K, int fmt) { return fmt == kNVFP4 ? Nv4Geo(K).steps : steps_of(K); }
+inline int64_t steps_for(int64_t K, int fmt) { return fmt == kNVFP4 ? nv4_steps(K) : steps_of(K); }
 inline __mmask64 mask64(int64_t n) { return n >= 64 ? ~0ULL : ((1ULL << n) - 1ULL); }
 inline __mmask32 mask32(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : ((1u << n) - 1u); }
 
@@ -128,17 +132,6 @@ constexpr Fp8Bytes kFp8Bytes{};
 // bf16 bits of the 16 e2m1 codes (sign in bit 3): 0, .5, 1, 1.5, 2, 3, 4, 6 and their negatives
 alignas(16) constexpr uint16_t kE2m1Bf16[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
                                                 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
-struct E2m1Bytes {
-  alignas(16) uint8_t lo[16];
-  alignas(16) uint8_t hi[16];
-  constexpr E2m1Bytes() : lo(), hi() {
-    for (int c = 0; c < 16; ++c) {
-      lo[c] = static_cast<uint8_t>(kE2m1Bf16[c] & 0xFF);
-      hi[c] = static_cast<uint8_t>(kE2m1Bf16[c] >> 8);
-    }
-  }
-};
-constexpr E2m1Bytes kE2m1Bytes{};
 
 // acc += the 16 pair products of w and x. Written as the instruction itself: GCC 12's intrinsic takes
 // __may_alias__ vector types and moves every converted operand through the stack (3x slower measured).
@@ -487,7 +480,7 @@ __attribute__((noinline)) void many_tile(const Mat& W, const Panel& P, const uin
 #pragma GCC unroll 8
     for (int t = 0; t < TB; ++t) blk[r][t] = _mm512_setzero_ps();
   const int64_t K = W.k, steps = steps_for(K, FMT), full = K / kStep;
-  const Nv4Geo geo(K);
+  const Nv4Geo geo(FMT == kNVFP4 ? K : 0);
   const uint16_t* xp[TT];
 #pragma GCC unroll 8
   for (int t = 0; t < TT; ++t) xp[t] = xb + (t0 + t) * xld;
@@ -586,7 +579,7 @@ void gemm_many(const Mat& W, const uint16_t* xb, int64_t xld, int64_t T, int64_t
                int64_t ldy) {
   constexpr int R = 4, TT = FMT == kBF16 ? 6 : 3;
   const int64_t K = W.k, steps = steps_for(K, FMT), ld = kStep * steps;
-  const Nv4Geo geo(K);
+  const Nv4Geo geo(FMT == kNVFP4 ? K : 0);
   // tokens in blocks whose activations stay in L2 while every row tile passes over them
   const int64_t tblk = std::max<int64_t>(8 * TT, (768 << 10) / (2 * ld) / TT * TT);
   uint16_t* ws = FMT == kBF16 ? nullptr : Scratch::grow(tls.w, tls.w_cap, R * ld);
