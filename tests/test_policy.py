@@ -375,6 +375,49 @@ def test_the_loop_follows_a_change_of_acceptance():
     assert sum(1 for k in c[350:450] if k >= 1) >= 80 and sum(1 for k in c[350:450] if k >= 2) >= 60, c[200:]
 
 
+def test_the_largest_count_stands_until_a_row_rejects_every_draft():
+    """Batch 1 at acceptance 1.0 except in step 150 (every draft rejected): once 3 (the largest) is chosen twice
+    in a row the decision stands REDECIDE_DRAFTING steps, so about one step in REDECIDE_DRAFTING re-derives it
+    (each costs ~40 us of Python); a step whose drafts are all rejected ends the standing at once."""
+    tgt, drf = per_row(COSTS[1][0]), per_row(COSTS[1][1])
+    p = DraftLenPolicy(3, DraftLimits(3), "cost")
+    decided = []
+    real = p._decide
+
+    def counting(*a):
+        decided.append(len(sim.chosen))
+        return real(*a)
+    p._decide = counting
+    sim = SimEngine(p, 1, tgt, drf, lambda i: 0.0 if i == 150 else 1.0, seed=4, tokens=100000)
+    sim.run(200)
+    assert sim.chosen[40:150].count(3) >= 90, sim.chosen      # 3, but for the re-tries of other counts
+    # among the steps at 3 after two at 3, one in REDECIDE_DRAFTING decides (before: every one)
+    held = [i for i in range(40, 150) if sim.chosen[i - 2:i + 1] == [3, 3, 3] and i - 1 not in decided]
+    assert len(held) >= 60, sim.chosen
+    assert sum(i in decided for i in held) <= len(held) / (pol.REDECIDE_DRAFTING - 2), sorted(decided)
+    assert 150 in decided, sorted(decided)[-12:]   # step 150 rejected its 3 drafts: its choice decides anew
+
+
+def test_a_smaller_count_is_re_derived_each_step():
+    """Acceptance 0.9 at batch 1 (3 best, 2 within 2%, 1 within 8%: the choice moves among them): every step
+    that follows a choice of 1 or 2 re-derives the count, even after the same choice twice in a row; the
+    positions a smaller count does not verify are not observed, so it never stands on their stale estimates."""
+    tgt, drf = per_row(COSTS[1][0]), per_row(COSTS[1][1])
+    p = DraftLenPolicy(3, DraftLimits(3), "cost")
+    decided = set()
+    real = p._decide
+
+    def counting(*a):
+        decided.add(len(sim.chosen))
+        return real(*a)
+    p._decide = counting
+    sim = SimEngine(p, 1, tgt, drf, lambda i: 0.9, seed=1)
+    sim.run(300)
+    after_small = [i for i in range(2, 300) if sim.chosen[i - 1] in (1, 2) and sim.chosen[i - 2] == sim.chosen[i - 1]]
+    assert len(after_small) >= 10, sim.chosen          # the premise: the choice does sit at 1 or 2 at times
+    assert all(i in decided for i in after_small), [i for i in after_small if i not in decided]
+
+
 def test_the_fixed_policy_never_measures():
     p = DraftLenPolicy(3, DraftLimits(3), "fixed")
     sim = SimEngine(p, 2, per_row(COSTS[1][0]), per_row(COSTS[1][1]), lambda i: 0.9).run(20)

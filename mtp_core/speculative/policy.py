@@ -26,7 +26,10 @@ that many. Two policies (`speculative_config.draft_len_policy`; `make_policy` bu
   then stops chains inside the drafter), so explicit settings bound this policy. A drafting count must
   beat k = 0 by 5% (measurement noise, and the k = 0 steps among drafting ones cost more than in a run
   of k = 0), the previous count is kept unless another is 2% better, ties go to the smaller count. The
-  count is re-derived every step while drafting and every 4th step at 0 (nothing is learnt at 0). Once
+  count is re-derived every 4th step at 0 (nothing is learnt at 0), every step at a count below the largest
+  (the positions it does not verify are not observed), and at the largest once chosen twice in a row every
+  8th step or at once after a row's drafts are all rejected (a decision is ~40 us of Python at batch 1, a
+  tenth of the shipped model's drafting step). Once
   per 32 decisions of a bucket another count may be re-tried for 3 steps (the last one measured), when
   the budget it accrued since it was last chosen (1% of throughput, shared by the alternatives) covers
   its expected loss; a re-try never makes lagging rows catch up.
@@ -70,6 +73,8 @@ DRAFT_MARGIN = 0.05        # drafting must promise this much more than no drafti
                            # k = 0 steps between drafting ones measured dearer than in a run of k = 0 only)
 STICK = 0.02               # keep the previous count unless another promises this much more (a change costs)
 REDECIDE = 4               # steps a decision for 0 drafts stands while the batch stays the same
+REDECIDE_DRAFTING = 8      # steps the largest count, chosen twice in a row, stands (until a row's drafts are all
+                           # rejected: observe)
 PRIOR_DRAFT_COST = 0.4     # before any step is measured: a step verifying k drafts costs 1 + 0.4 k steps without
                            # (a multi-token verify plus the MTP forwards; measured 1.4-1.6 at k = 1 on every model
                            # here, lower per draft at k = 3)
@@ -78,7 +83,7 @@ PRIOR_DRAFT_COST = 0.4     # before any step is measured: a step verifying k dra
 class Decision(NamedTuple):
     draft_len: int             # the count
     resume: bool               # whether rows whose MTP caches lag catch up and draft (else they stay at 0)
-    settled: bool              # whether a count of 0 may stand for REDECIDE steps
+    settled: bool              # whether the count may stand for REDECIDE steps (not a re-try)
 
 
 class Retry(NamedTuple):
@@ -90,7 +95,7 @@ class Retry(NamedTuple):
 
 
 class Standing(NamedTuple):
-    """A decision for 0 that stands while the batch (its size, largest limit, rows) stays the same."""
+    """A decision that stands while the batch (its size, largest limit, rows) stays the same."""
     batch: tuple[int, int, int]
     draft_len: int
     resume: bool
@@ -196,8 +201,9 @@ class CostPolicy(FixedPolicy):
     # ---- once per step -------------------------------------------------------------------
     def choose(self, rows: Sequence["DraftInput"], in_flight: int) -> list[int]:
         """Each row's draft count for the next step (0 for rows that draft nothing); also sets
-        seq.mtp.draft_len. The count is re-derived from the estimates each step while drafting, and every
-        REDECIDE steps at 0 while the batch stays the same."""
+        seq.mtp.draft_len. While the batch stays the same a count of 0 is re-derived from the estimates every
+        REDECIDE steps, the largest count once chosen twice in a row every REDECIDE_DRAFTING steps (at once
+        after a row's drafts are all rejected); else each step."""
         self.timer.pending = None
         self.num_steps += 1
         prev, self._last_k = self._last_k, None
@@ -242,16 +248,22 @@ class CostPolicy(FixedPolicy):
 
     def _count(self, rows: Sequence["DraftInput"], caps: list[int], kmax: int, B: int, b: int, log: BucketLog,
                prev: Optional[int]) -> tuple[int, bool]:
-        """(count, resume): a standing decision for 0 while the batch stays the same, else a new one."""
+        """(count, resume): a standing decision while the batch stays the same, else a new one."""
         key = (B, kmax, len(rows))
         st = self._standing
         if st is not None and st.batch == key and st.steps_left > 0 and self._retry is None and prev is not None:
             self._standing = st._replace(steps_left=st.steps_left - 1)
             return st.draft_len, st.resume
         k, resume, settled = self._decide(rows, caps, kmax, B, b, log.decisions, log.last_chosen, prev)
-        # a count of 0 stands a few steps (nothing is learnt meanwhile, and the k = 0 steps are the ones
-        # whose overhead matters most); a drafting count is re-derived each step from what it shows
-        self._standing = Standing(key, k, resume, REDECIDE - 1) if settled and not k and self._retry is None else None
+        # a count of 0 stands a few steps (nothing is learnt meanwhile, and the k = 0 steps are the ones whose
+        # overhead matters most); the largest count stands a few more once it is chosen a second time in a row
+        # (a decision costs ~40 us of Python at batch 1, a tenth of a drafting step of the shipped model), unless
+        # a row's drafts are all rejected (observe): a head that stops proposing well is re-judged at once. A
+        # smaller count is re-derived each step: the positions it does not verify are not observed, and their
+        # stale estimates would keep it there longer
+
+        stands = settled and self._retry is None and (not k or (k == prev == kmax and self._run_k >= 1))
+        self._standing = Standing(key, k, resume, (REDECIDE_DRAFTING if k else REDECIDE) - 1) if stands else None
         return k, resume
 
     def _decide(self, rows: Sequence["DraftInput"], caps: list[int], kmax: int, B: int, b: int, n: int,
@@ -368,6 +380,8 @@ class CostPolicy(FixedPolicy):
         self.rules.observe(mtp, proposed, accepted, stats)
         if proposed > 0:
             self.acceptance.observe(mtp, proposed, accepted, self.num_steps)
+            if not accepted and self._standing is not None:
+                self._standing = None
 
     # ---- timing, once per step -----------------------------------------------------------
     def record_step(self, rows: Sequence, t0: float, t1: float, t2: float) -> None:
