@@ -471,6 +471,32 @@ def test_native_verification_equals_the_eager_verifier_on_random_rows():
     assert native_verify(rows) == want
 
 
+@native
+@pytest.mark.parametrize("vocab", [1, 2, 7, 8, 9, 15, 16, 17, 33, 1024, 1031])
+def test_native_choice_is_torch_argmax_at_every_vocabulary_width(vocab):
+    """The verification's choice (argmax_row: 8 chains, then the first index of the maximum) against torch.argmax,
+    with the maximum planted at each chain and in the tail, tied with an earlier and a later copy, on -inf
+    fillers, and -0.0 beside 0.0: one row per case, each fed no draft, so its one emitted token is the choice."""
+    g = torch.Generator().manual_seed(vocab)
+    cases = []
+    for at in sorted({0, vocab // 2, vocab - 1, *range(min(vocab, 18))}):
+        x = torch.randint(-5, 5, (vocab,), generator=g).float()
+        x[at] = 9.0
+        cases.append(x)
+        y = x.clone()
+        y[torch.randint(0, vocab, (1,), generator=g)] = 9.0          # a tie before or after
+        cases.append(y)
+        z = torch.full((vocab,), float("-inf"))
+        z[at] = -1.0
+        cases.append(z)
+        w = torch.full((vocab,), -1.0)
+        w[at], w[vocab - 1 - at] = -0.0, 0.0                           # equal: the first one wins
+        cases.append(w)
+    cases.append(torch.full((vocab,), float("-inf")))
+    got = native_verify([([0], c[None].contiguous()) for c in cases])
+    assert got == [[int(c.argmax())] for c in cases]
+
+
 # ---- the native step's logits processing (LogitsRules in csrc/cpu/mtp_step_cpu.cpp), held to process_logits -------
 
 def native_rules(logits: torch.Tensor, fed: list[list[int]], rows: list) -> tuple[list[list[int]], torch.Tensor]:
