@@ -92,12 +92,12 @@ class LLM:
         return self.tokenizer.encode(prompt)
 
     def _output(self, prompt: Prompt, seq: Sequence) -> RequestOutput:
-        ttft = seq.first_token_time - seq.arrival_time if seq.first_token_time else None
-        e2e = seq.finish_time - seq.arrival_time if seq.finish_time else None
+        ttft = seq.times.first_token_time - seq.times.arrival_time if seq.times.first_token_time else None
+        e2e = seq.times.finish_time - seq.times.arrival_time if seq.times.finish_time else None
         return RequestOutput(prompt if isinstance(prompt, str) else "", seq.prompt_ids, list(seq.output_ids),
                              self.tokenizer.decode(seq.output_ids), seq.finish_reason, seq.stats, ttft, e2e,
-                             list(seq.logprobs) if seq.params.logprobs is not None else None,
-                             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
+                             list(seq.returned.logprobs) if seq.params.logprobs is not None else None,
+                             list(seq.returned.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
 
     # ---- generation ----------------------------------------------------------------------
     def generate(self, prompts: Seq[Prompt], params: Union[SamplingParams, Seq[SamplingParams], None] = None,

@@ -226,8 +226,9 @@ class Guided:
 
     def verify_row(self, logits: torch.Tensor, drafts: torch.Tensor, seq: Any) -> list[int]:
         after_think = seq.params.guided_after_think and self.think_ids is not None
-        return verify_guided_row(seq.matcher.backend, seq.matcher, logits, drafts.tolist(), seq.params, seq.generator,
-                                 after_think and seq.in_thinking, self.think_ids if after_think else None)
+        dec = seq.decoding
+        return verify_guided_row(dec.matcher.backend, dec.matcher, logits, drafts.tolist(), seq.params, dec.generator,
+                                 after_think and dec.in_thinking, self.think_ids if after_think else None)
 
 
 def guided_masks(backend: GrammarBackend, guide: Guide, drafts: list[int], thinking: bool,

@@ -49,8 +49,8 @@ def main() -> None:
     Ts = [int(t) for t in a.tokens.split(",")]
     if max(Ts) > 32:
         raise SystemExit("--tokens: at most 32 per window")
-    start = seq.num_cached - max(Ts)                      # windows rewrite the prompt's last positions
-    table = torch.tensor([seq.block_table], dtype=torch.int32)
+    start = seq.kv.num_cached - max(Ts)                   # windows rewrite the prompt's last positions
+    table = torch.tensor([seq.kv.block_table], dtype=torch.int32)
     cfg = model.config
     sb = step_bytes(model)
     per_expert = sb["experts"] / (cfg.num_experts_per_tok + (cfg.n_shared_experts or 0))

@@ -152,8 +152,8 @@ def test_paused_requests_catch_up_their_mtp_caches(models, ckpt, mode):
     lagged = resumed = False
     for _ in range(40):
         eng.step()
-        lagged |= any(s.mtp.num_valid < s.num_cached for s in seqs)
-        if lagged and all(s.mtp.num_valid == s.num_cached and s.mtp.pause_steps == 0 for s in seqs) and \
+        lagged |= any(s.mtp.num_valid < s.kv.num_cached for s in seqs)
+        if lagged and all(s.mtp.num_valid == s.kv.num_cached and s.mtp.pause_steps == 0 for s in seqs) and \
                 eng.stats.num_window_pauses >= 2:
             resumed = True
             break
@@ -269,7 +269,7 @@ def test_relaxed_thinking_rows_with_adaptive_drafting(models):
     eng = make_engine(model, nextn=3, mode="eagle", spec=spec)
     a, b = run_to_end(eng, [thinking, plain], greedy(16))
     assert b.output_ids == reference(models["tiny1"], plain, 16)
-    assert a.in_thinking and a.stats.num_draft_accepted == a.stats.num_draft_proposed > 0   # all accepted
+    assert a.decoding.in_thinking and a.stats.num_draft_accepted == a.stats.num_draft_proposed > 0   # all accepted
 
 
 def test_schedule_cuts_a_custom_drafter_in_thinking(models):

@@ -105,9 +105,9 @@ def test_chunked_prefill_really_chunks(tiny1_model):
     eng = make_engine(tiny1_model, enable_chunked_prefill=True, max_num_tokens=16)
     seq = eng.add_request(PROMPTS[5], greedy(4))
     eng.step()
-    assert seq.num_prefilled == 16 and seq.output_ids == [] and seq.num_cached == 16
+    assert seq.kv.num_prefilled == 16 and seq.output_ids == [] and seq.kv.num_cached == 16
     eng.step()
-    assert seq.num_cached == 23 and seq.output_ids == reference(tiny1_model, PROMPTS[5], 4)[:1]
+    assert seq.kv.num_cached == 23 and seq.output_ids == reference(tiny1_model, PROMPTS[5], 4)[:1]
     while eng.has_unfinished():
         eng.step()
     assert seq.output_ids == reference(tiny1_model, PROMPTS[5], 4)
@@ -194,7 +194,7 @@ def test_exception_mid_step_frees_blocks(tiny1_model, where, n):
         while eng.has_unfinished():
             eng.step()
     aborted = [s for s in seqs if s.finish_reason == "abort"]
-    assert aborted and all(s.is_finished and s.block_table == [] for s in aborted)
+    assert aborted and all(s.is_finished and s.kv.block_table == [] for s in aborted)
     while eng.has_unfinished():
         eng.step()
     assert_pool_clean(eng)
@@ -220,10 +220,10 @@ def test_abort_running_and_waiting_requests(tiny3_model):
     eng.step()
     eng.step()
     running, waiting = seqs[1], seqs[6]
-    assert running.block_table and not waiting.block_table
+    assert running.kv.block_table and not waiting.kv.block_table
     eng.abort(running)
     eng.abort(waiting)
-    assert running.finish_reason == waiting.finish_reason == "abort" and running.block_table == []
+    assert running.finish_reason == waiting.finish_reason == "abort" and running.kv.block_table == []
     while eng.has_unfinished():
         eng.step()
     assert_pool_clean(eng)
@@ -273,11 +273,11 @@ def test_engine_random_acceptance_patterns(tiny1_model, K, tpb, batch, pattern, 
         eng.step()
         for s in seqs:
             if not s.is_finished and not overlap:
-                assert len(s.block_table) == eng.blocks.blocks_for(s.num_cached)
+                assert len(s.kv.block_table) == eng.blocks.blocks_for(s.kv.num_cached)
             elif not s.is_finished:   # the overlap scheduler may already hold the next step's reservation
-                need = max(s.num_cached + 2 * K, s.num_prefilled + (8 if chunked else len(s.all_ids)) + K)
-                assert eng.blocks.blocks_for(s.num_cached) <= len(s.block_table) <= eng.blocks.blocks_for(need)
-        held = sum(len(s.block_table) for s in seqs)
+                need = max(s.kv.num_cached + 2 * K, s.kv.num_prefilled + (8 if chunked else len(s.all_ids)) + K)
+                assert eng.blocks.blocks_for(s.kv.num_cached) <= len(s.kv.block_table) <= eng.blocks.blocks_for(need)
+        held = sum(len(s.kv.block_table) for s in seqs)
         assert held + eng.blocks.num_free_blocks == eng.blocks.num_blocks
     assert [s.output_ids for s in seqs] == [reference(model, p, 20)[:n] for p, n in zip(prompts, lengths)]
     assert_pool_clean(eng)

@@ -104,10 +104,10 @@ def test_greedy_logprobs_identical_with_and_without_mtp(models, ckpt, nextn, mod
     eng, seqs = _run(models, ckpt, nextn, mode, greedy(MAX_TOKENS, logprobs=5))
     for a, b in zip(ref, seqs):
         assert a.output_ids == b.output_ids
-        assert len(b.logprobs) == len(b.output_ids) == MAX_TOKENS
-        assert a.logprobs == b.logprobs                           # bitwise: floats compared exactly
-        assert [e[0] for e in b.logprobs] == b.output_ids
-        assert all(len(e[2]) == 5 and e[2][0][1] >= e[1] for e in b.logprobs)
+        assert len(b.returned.logprobs) == len(b.output_ids) == MAX_TOKENS
+        assert a.returned.logprobs == b.returned.logprobs         # bitwise: floats compared exactly
+        assert [e[0] for e in b.returned.logprobs] == b.output_ids
+        assert all(len(e[2]) == 5 and e[2][0][1] >= e[1] for e in b.returned.logprobs)
     if nextn:
         assert eng.stats.num_draft_accepted > 0                   # drafts were accepted, so verify rows scored them
     # logprobs do not change the tokens
@@ -121,10 +121,10 @@ def test_prompt_logprobs_identical_with_and_without_mtp(models, ckpt, nextn, mod
     _, ref = _run(models, ckpt, 0, "auto", ps, enable_chunked_prefill=True, max_num_tokens=8)
     _, seqs = _run(models, ckpt, nextn, mode, ps)
     for p, a, b in zip(PROMPTS, ref, seqs):
-        assert len(b.prompt_logprobs) == len(p) and b.prompt_logprobs[0] is None
-        assert [e[0] for e in b.prompt_logprobs[1:]] == p[1:]
+        assert len(b.returned.prompt_logprobs) == len(p) and b.returned.prompt_logprobs[0] is None
+        assert [e[0] for e in b.returned.prompt_logprobs[1:]] == p[1:]
         # chunks of 8 tokens or the whole prompt at once: the same logits
-        assert a.prompt_logprobs == b.prompt_logprobs and a.logprobs == b.logprobs
+        assert a.returned.prompt_logprobs == b.returned.prompt_logprobs and a.returned.logprobs == b.returned.logprobs
 
 
 def test_prompt_logprobs_skip_the_prefix_cache(models) -> None:
@@ -132,7 +132,8 @@ def test_prompt_logprobs_skip_the_prefix_cache(models) -> None:
     prompt = list(range(100, 140))
     first = run_to_end(eng, [prompt], greedy(2, prompt_logprobs=0))[0]
     again = run_to_end(eng, [prompt], greedy(2, prompt_logprobs=0))[0]
-    assert len(again.prompt_logprobs) == len(prompt) and again.prompt_logprobs == first.prompt_logprobs
+    assert len(again.returned.prompt_logprobs) == len(prompt)
+    assert again.returned.prompt_logprobs == first.returned.prompt_logprobs
     assert eng.blocks.stats.reused_tokens == 0            # every position computed, so every one scored
     plain = run_to_end(eng, [prompt], greedy(2))[0]
     assert plain.output_ids == first.output_ids
@@ -160,7 +161,7 @@ def test_greedy_with_penalties_identical_with_and_without_mtp(models, ckpt, next
                                                                    for k in pen if k != "logit_bias"},
                                                            logit_bias={}))
     assert [s.output_ids for s in seqs] == [s.output_ids for s in ref]
-    assert [s.logprobs for s in seqs] == [s.logprobs for s in ref]
+    assert [s.returned.logprobs for s in seqs] == [s.returned.logprobs for s in ref]
     if "min_tokens" not in pen:          # (min_tokens: test_min_tokens_holds_back_eos)
         assert [s.output_ids for s in seqs] != [s.output_ids for s in unpenalized]     # the penalty changed something
     assert eng.stats.num_draft_accepted > 0
@@ -188,7 +189,7 @@ def test_sampled_penalties_are_seeded_and_reproducible(models) -> None:
     _, a = _run(models, "tiny1", 2, "eagle", ps)
     _, b = _run(models, "tiny1", 2, "eagle", ps)
     assert [s.output_ids for s in a] == [s.output_ids for s in b]
-    assert [s.logprobs for s in a] == [s.logprobs for s in b]
+    assert [s.returned.logprobs for s in a] == [s.returned.logprobs for s in b]
 
 
 @pytest.mark.parametrize("ckpt,nextn,mode", ENGINES[1:])
@@ -202,4 +203,4 @@ def test_mixed_batch_keeps_every_request_exact(models, ckpt, nextn, mode) -> Non
     mixed = run_to_end(eng, PROMPTS, plist)
     for p, sp, s in zip(PROMPTS, plist, mixed):
         alone = run_to_end(make_engine(models[ckpt], max_batch_size=1), [p], sp)[0]
-        assert s.output_ids == alone.output_ids and s.logprobs == alone.logprobs
+        assert s.output_ids == alone.output_ids and s.returned.logprobs == alone.returned.logprobs

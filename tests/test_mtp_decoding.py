@@ -211,7 +211,7 @@ def _dense_hidden(model, ids: list[int]) -> torch.Tensor:
 
 def _window_tokens(seq) -> list[int]:
     """The tokens at the positions whose main hidden states the Vanilla window holds (the last valid ones)."""
-    nc = seq.num_cached
+    nc = seq.kv.num_cached
     return seq.all_ids[nc - len(seq.mtp.window_hidden):nc]
 
 
@@ -235,9 +235,9 @@ def test_vanilla_window_table(tiny3_model, K, accepted, window):
     dense = _dense_hidden(model, prompt)
     assert torch.allclose(seq.mtp.window_hidden, dense[-K:], atol=1e-5)
     eng.step()                                                        # decode with `accepted` right drafts
-    assert seq.num_cached == len(prompt) + accepted + 1
+    assert seq.kv.num_cached == len(prompt) + accepted + 1
     assert _window_tokens(seq) == [name[t] if isinstance(t, str) else t for t in window]
-    nc = seq.num_cached
+    nc = seq.kv.num_cached
     dense = _dense_hidden(model, seq.all_ids[:nc])
     assert torch.allclose(seq.mtp.window_hidden, dense[nc - K:nc], atol=1e-5)
 
@@ -246,7 +246,7 @@ def test_vanilla_window_table(tiny3_model, K, accepted, window):
 
 def _gather(eng: Engine, seq, n: int) -> list[torch.Tensor]:
     bs = eng.blocks.tokens_per_block
-    slots = torch.tensor([seq.block_table[q // bs] * bs + q % bs for q in range(n)])
+    slots = torch.tensor([seq.kv.block_table[q // bs] * bs + q % bs for q in range(n)])
     return [c.view(-1, c.shape[-1])[slots] for c in eng.caches]      # per layer [n, D]
 
 
@@ -277,13 +277,13 @@ def _check_caches(model, eng: Engine, seqs, mode: str, K: int) -> None:
     prefill of the same tokens and (b) the dense recompute from the definition."""
     num_mtp = 1 if mode == "eagle" else K
     for s in seqs:
-        nc = s.num_cached
+        nc = s.kv.num_cached
         if s.is_finished or nc == 0:
             continue
         fresh = make_engine(model, nextn=K, mode=mode, tokens_per_block=4)
         f = fresh.add_request(s.all_ids[:nc], greedy(2))
         fresh.step()
-        if nc == s.prefill_target and s.output_ids:                    # prefill done: same bonus token
+        if nc == s.kv.prefill_target and s.output_ids:                 # prefill done: same bonus token
             assert f.output_ids == [s.all_ids[nc]]
         cached = _gather(eng, s, nc)
         if len(s.all_ids) > nc and f.output_ids == [s.all_ids[nc]]:
@@ -321,14 +321,15 @@ def test_rewind_leaves_caches_equal_to_a_fresh_prefill(models, ckpt, mode, K, pa
         eng.step()
         for s in seqs:
             if not overlap:
-                assert len(s.block_table) == eng.blocks.blocks_for(s.num_cached)   # rewind returned the tail
+                assert len(s.kv.block_table) == eng.blocks.blocks_for(s.kv.num_cached)   # rewind returned the tail
             else:
                 # overlap: the tail may stay reserved for the next step (K+1 slots + K-1 overshoot), never more
-                assert eng.blocks.blocks_for(s.num_cached) <= len(s.block_table) \
-                    <= eng.blocks.blocks_for(max(s.num_cached + 2 * K, s.num_prefilled + budget + K if budget else 0))
+                kv = s.kv
+                assert eng.blocks.blocks_for(kv.num_cached) <= len(kv.block_table) \
+                    <= eng.blocks.blocks_for(max(kv.num_cached + 2 * K, kv.num_prefilled + budget + K if budget else 0))
     assert any(s.stats.num_draft_accepted for s in seqs)
     assert any(s.stats.num_draft_accepted < s.stats.num_draft_proposed for s in seqs)
-    assert seqs[0].num_cached > len(prompts[0]) and not any(s.is_finished for s in seqs)
+    assert seqs[0].kv.num_cached > len(prompts[0]) and not any(s.is_finished for s in seqs)
     _check_caches(model, eng, seqs, mode, K)
 
 
@@ -385,7 +386,7 @@ def test_thinking_entered_by_prompt_and_left_by_emitted_end_token(tiny1_model):
     cont = reference(model, prompt + head, 10)
     assert think not in cont and end not in cont                       # precondition of this prompt
     assert seq.output_ids[4:] == cont
-    assert not seq.in_thinking
+    assert not seq.decoding.in_thinking
 
 
 def test_thinking_reentered_when_the_model_emits_think(tiny1_model):
@@ -431,7 +432,7 @@ def test_thinking_entered_by_an_emitted_start_token(tiny1_model):
     seq = run_to_end(eng, [prompt], greedy(16))[0]
     assert seq.output_ids[: j + 1] == ref[: j + 1]
     assert seq.output_ids[j + 1: j + 4] == [X, X, X]
-    assert seq.in_thinking
+    assert seq.decoding.in_thinking
 
 
 def test_relaxed_without_think_tokens_is_refused(tiny1_model, tiny1_dir, tmp_path, make_llm):

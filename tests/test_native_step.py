@@ -182,7 +182,7 @@ def test_native_step_lets_rows_without_drafts_lag_and_catches_them_up(models) ->
             n = len(lagged)
             eng.step()
             if len(lagged) > n and lagged[-1]:        # a native step caught rows up: their caches are exact
-                up = [s for s in seqs if not s.is_finished and s.mtp.num_valid == s.num_cached]
+                up = [s for s in seqs if not s.is_finished and s.mtp.num_valid == s.kv.num_cached]
                 _check_caches(model, eng, up, mode, 3)
                 checked += len(up)
         assert [s.output_ids for s in seqs] == [reference(model, p, MAX_TOKENS) for p in prompts], mode
@@ -224,17 +224,17 @@ def test_rows_that_need_logits_stay_on_the_native_step_and_equal_plain_decoding(
     runs = []
     for eng in (general, native):
         seqs = run_to_end(eng, PROMPTS, plist)
-        runs.append([(s.output_ids, s.logprobs) for s in seqs])
+        runs.append([(s.output_ids, s.returned.logprobs) for s in seqs])
     assert runs[0] == runs[1]
     seen = on_the_call(native)
     seqs = run_to_end(native, PROMPTS, plist)
-    assert [(s.output_ids, s.logprobs) for s in seqs] == runs[1]
+    assert [(s.output_ids, s.returned.logprobs) for s in seqs] == runs[1]
     assert seen[0] == 0 and native.paths.native_step.num_replays > 0
     for p, sp, s in zip(PROMPTS, plist, seqs):
         alone = run_to_end(make_engine(model, max_batch_size=1), [p], sp)[0]
-        assert s.output_ids == alone.output_ids and s.logprobs == alone.logprobs
+        assert s.output_ids == alone.output_ids and s.returned.logprobs == alone.returned.logprobs
         if sp.logprobs is not None:
-            assert len(s.logprobs) == len(s.output_ids) > 0
+            assert len(s.returned.logprobs) == len(s.output_ids) > 0
     if K:
         assert native.stats.num_draft_accepted > 0
 
@@ -261,7 +261,7 @@ def test_rows_that_need_logits_verify_in_one_call_on_the_general_step(models) ->
         seqs = run_to_end(eng, prompts, plist)
         for p, sp, s in zip(prompts, plist, seqs):
             alone = run_to_end(make_engine(model, max_batch_size=1), [p], sp)[0]
-            assert s.output_ids == alone.output_ids and s.logprobs == alone.logprobs, mode
+            assert s.output_ids == alone.output_ids and s.returned.logprobs == alone.returned.logprobs, mode
         assert seen[0] == 0 and targets[0] > 0 and eng.stats.num_draft_accepted > 0
 
 
@@ -287,7 +287,7 @@ def test_logprob_ties_are_ordered_as_the_general_path(tiny1_dir, tmp_path) -> No
     plist = [greedy(12, logprobs=n) for n in (1, 2, 3, 5, 8)]
     runs = []
     for eng in engines(model, nextn=1, mode="eagle", max_batch_size=5):
-        runs.append([s.logprobs for s in run_to_end(eng, PROMPTS[:5], plist)])
+        runs.append([s.returned.logprobs for s in run_to_end(eng, PROMPTS[:5], plist)])
     assert eng.paths.native_step.num_replays > 0 and runs[0] == runs[1]
     tops = [e[2] for row in runs[1] for e in row]
     assert any(a[1] == b[1] and a[0] + 1 == b[0] for t in tops for a, b in zip(t, t[1:])), "no tied pair"

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, greedy, make_engine, reference, run_to_end
+from mtp_core.request.sequence import KVState
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import acceptance, costs, policy as pol
 from mtp_core.speculative.acceptance import expected_tokens
@@ -103,7 +104,7 @@ def seq(accept=None, lag=0, left=100, K=3):
     s = SimpleNamespace(mtp=SimpleNamespace(is_off=False, pause_steps=0, draft_len=0, accept_est=None, expected=None,
                                             num_valid=100, accept_step=0, accept_n=0,
                                             pending=[object()] if lag else None, accept_window=[]),
-                        params=SimpleNamespace(max_tokens=left), output_ids=[], prefill_target=10)
+                        params=SimpleNamespace(max_tokens=left), output_ids=[], kv=KVState(prefill_target=10))
     if accept is not None:
         s.mtp.accept_est = list(accept)
         s.mtp.expected = expected_tokens(s.mtp.accept_est, K)
@@ -263,7 +264,7 @@ class SimEngine:
     def new_request(self):
         s = seq(left=self.max_tokens)
         s.mtp.accept_est = s.mtp.expected = None
-        s.num_cached = s.mtp.num_valid = 101
+        s.kv.num_cached = s.mtp.num_valid = 101
         s.mtp.draft_len = 0
         return s
 
@@ -283,8 +284,8 @@ class SimEngine:
                 acc += 1
             self.tokens += acc + 1
             self.p.observe(s.mtp, k, acc)
-            inputs.append(SimpleNamespace(seq=s, needs_drafts=True, start=s.num_cached, next_tokens=[0] * (acc + 1)))
-            s.num_cached += acc + 1
+            inputs.append(SimpleNamespace(seq=s, needs_drafts=True, start=s.kv.num_cached, next_tokens=[0] * (acc + 1)))
+            s.kv.num_cached += acc + 1
             s.output_ids = s.output_ids + [0] * (acc + 1)
             s.mtp.pending = [0] if s.mtp.num_valid < inputs[-1].start else None
         for n, s in enumerate(self.seqs):               # finished: a new request takes the row
@@ -298,7 +299,7 @@ class SimEngine:
         self.clock += self.noisy(sum(self.draft(1, n) for n in limits)) + 1e-3 * self.catchup_ms * lag
         for s, n in zip(self.seqs, limits):
             if n:
-                s.mtp.num_valid = s.num_cached
+                s.mtp.num_valid = s.kv.num_cached
         self.p.record_step([SimpleNamespace(is_prefill=False, token_ids=[0] * (v + 1)) for v in verify],
                            c0, c1, self.clock)
         self.chosen.append(k)
@@ -481,7 +482,7 @@ def test_policy_decisions_are_lossless_batched(models, ckpt, mode, K):
     while eng.has_unfinished():
         eng.step()
         for s in seqs:
-            if s.mtp.num_valid < s.num_cached:
+            if s.mtp.num_valid < s.kv.num_cached:
                 lagged.add(s.request_id)
             elif s.request_id in lagged and s.mtp.drafts:
                 resumed.add(s.request_id)
@@ -513,8 +514,8 @@ def test_caches_equal_a_recompute_after_k0_steps_and_a_catch_up(models, ckpt, mo
     lagged = False
     for _ in range(7):
         eng.step()
-        lagged |= any(s.mtp.num_valid < s.num_cached for s in seqs)
-    assert lagged and all(s.mtp.num_valid == s.num_cached for s in seqs)
+        lagged |= any(s.mtp.num_valid < s.kv.num_cached for s in seqs)
+    assert lagged and all(s.mtp.num_valid == s.kv.num_cached for s in seqs)
     _check_caches(model, eng, seqs, mode, K)
     for p, s in zip((PROMPTS[2], PROMPTS[4]), seqs):
         assert s.output_ids == reference(model, p, 40)[: len(s.output_ids)]
@@ -642,7 +643,7 @@ def test_a_deferred_prompt_catches_up_when_its_request_first_drafts(models, ckpt
         eng.step()
     assert [s.mtp.num_valid for s in seqs] == deferred_from   # still lagging from the prompt on
     eng.step()                                               # the first drafting step: the catch-up
-    assert all(s.mtp.num_valid == s.num_cached and s.mtp.pending is None for s in seqs)
+    assert all(s.mtp.num_valid == s.kv.num_cached and s.mtp.pending is None for s in seqs)
     _check_caches(model, eng, seqs, mode, K)
     while eng.has_unfinished():
         eng.step()
@@ -696,7 +697,7 @@ def test_only_the_cost_policy_defers_prompts():
 
 def prompt_row(s, length):
     """The last chunk of a `length`-token prompt (its first drafting step would run the MTP forward over it)."""
-    s.prefill_target, s.mtp.num_valid = length, 0
+    s.kv.prefill_target, s.mtp.num_valid = length, 0
     return SimpleNamespace(seq=s, needs_drafts=True, start=0, next_tokens=[1] * length)
 
 

@@ -172,7 +172,7 @@ def test_abort_and_failed_step_release_every_block(tiny1_model):
     b = eng.add_request(BASE[:13] + TAIL_B, greedy(20))
     eng.step()
     assert eng.blocks.stats.hit_blocks == 3
-    shared = set(a.block_table) & set(b.block_table)
+    shared = set(a.kv.block_table) & set(b.kv.block_table)
     assert len(shared) == 3 and all(eng.blocks.ref_counts[x] == 2 for x in shared)
     eng.abort(a)
     assert all(eng.blocks.ref_counts[x] == 1 for x in shared)

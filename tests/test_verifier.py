@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from mtp_core.sampling import SamplingParams
+from mtp_core.request.sequence import DecodeState
 from mtp_core.request.stats import SpecStats
 from mtp_core.speculative.verifier import (
     STRICT, Acceptance, Relaxed, accept_while_equal, relaxed_counted, verify, verify_relaxed_row, verify_sampled_row,
@@ -110,8 +111,8 @@ def test_acceptance_picks_one_rule_per_row_and_the_fused_steps_that_verify_it():
     acc = Acceptance(Relaxed(3, 0.2), Guided.pair(None))
 
     def row(temperature: float = 0.0, thinking: bool = False, guided: bool = False) -> SimpleNamespace:
-        return SimpleNamespace(params=SamplingParams(temperature=temperature), in_thinking=thinking,
-                               matcher=object() if guided else None, generator=None)
+        return SimpleNamespace(params=SamplingParams(temperature=temperature),
+                               decoding=DecodeState(in_thinking=thinking, matcher=object() if guided else None))
     table = [
         (row(), "strict", ("static", "native")),
         (row(thinking=True), "relaxed", ("static",)),
@@ -356,7 +357,7 @@ def test_sampled_rows_are_reproducible_with_a_seeded_generator():
 def test_dispatch_samples_rows_with_temperature_and_ignores_relaxed_for_them():
     # row 0 greedy + relaxed, row 1 sampled with T so small that it is effectively greedy
     logits, drafts = from_probs(RELAXED_PROBS), torch.tensor([B, C, D, E])
-    seqs = [SimpleNamespace(params=p, generator=g, matcher=None, in_thinking=True) for p, g in
+    seqs = [SimpleNamespace(params=p, decoding=DecodeState(in_thinking=True, generator=g)) for p, g in
             ((SamplingParams(), None), (SamplingParams(temperature=1e-4), torch.Generator().manual_seed(0)))]
     rules = [Acceptance(Relaxed.of(relaxed_spec(3, 0.2))).rule_for(s) for s in seqs]
     res = verify(torch.stack([logits, logits]), torch.stack([drafts, drafts]), rules, seqs)

@@ -79,7 +79,7 @@ def run_requests(engine: Engine, prompts: list[list[int]], output_tokens: list[i
                     if lv.decoder is not None:
                         lv.text.append(lv.decoder.flush())
                     rec = RequestRecord(lv.index, task_ids[lv.index], len(seq.prompt_ids), len(seq.output_ids),
-                                        seq.arrival_time, lv.first if lv.first is not None else now, now,
+                                        seq.times.arrival_time, lv.first if lv.first is not None else now, now,
                                         seq.stats, lv.chunks, list(seq.output_ids), seq.finish_reason)
                     records[lv.index] = rec
                     del live[seq.request_id]

@@ -137,12 +137,12 @@ def forward_costs(model: Any, base: LLMConfig, eos: list[int], prompt: list[int]
     engine = Engine(model, setting_config(base, Setting("eagle", 1)), eos, None)
     # more than one token to generate, so the request is still running (its KV blocks held) after its prefill
     seq = engine.add_request(list(prompt), SamplingParams(max_tokens=8, ignore_eos=True))
-    while engine.has_unfinished() and seq.num_cached < len(prompt):
+    while engine.has_unfinished() and seq.kv.num_cached < len(prompt):
         engine.step()
     pos = len(prompt) - 1
-    if seq.is_finished or len(seq.block_table) * engine.blocks.tokens_per_block <= pos:
+    if seq.is_finished or len(seq.kv.block_table) * engine.blocks.tokens_per_block <= pos:
         raise RuntimeError("forward_costs: the timing request lost its KV blocks before the timed calls")
-    meta = AttentionMetadata.build([[pos]], [list(seq.block_table)], engine.blocks.tokens_per_block,
+    meta = AttentionMetadata.build([[pos]], [list(seq.kv.block_table)], engine.blocks.tokens_per_block,
                                    use_absorbed=True, device=base.device)
     ids = torch.tensor(prompt[-1:], device=base.device)
     out: dict[str, float] = {}

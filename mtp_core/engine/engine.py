@@ -35,7 +35,7 @@ from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, copy_block, plan_num_blocks
 from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
-from mtp_core.request.sequence import Sequence
+from mtp_core.request.sequence import Sequence, Times
 from mtp_core.request.stats import SpecStats
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
@@ -221,21 +221,21 @@ class Engine:
         if need > self.pool_tokens:
             raise ValueError(f"the prompt needs {need} KV slots but the whole KV cache pool holds "
                              f"{self.pool_tokens}; raise kv_cache_config.max_tokens or --kv_cache_fraction")
-        seq = Sequence(list(prompt_ids), params, arrival_time=time.perf_counter())
+        seq = Sequence(list(prompt_ids), params, times=Times(arrival_time=time.perf_counter()))
         if params.guided is not None:
             if self.grammar.backend is None:
                 if self.grammar.factory is None:
                     raise ValueError("structured output needs the engine's tokenizer; create the engine through LLM")
                 self.grammar.backend = self.grammar.factory()
-            seq.matcher = self.grammar.backend.matcher(params.guided)        # a bad schema: ValueError
+            seq.decoding.matcher = self.grammar.backend.matcher(params.guided)   # a bad schema: ValueError
         if params.prompt_logprobs is not None:
-            seq.prompt_logprobs = [None]             # the first prompt token has no logprob
+            seq.returned.prompt_logprobs = [None]    # the first prompt token has no logprob
         if params.seed is not None:
-            seq.generator = torch.Generator(device=self.cfg.device).manual_seed(params.seed)
+            seq.decoding.generator = torch.Generator(device=self.cfg.device).manual_seed(params.seed)
         if self.stops.think_ids is not None:
             start, end = self.stops.think_ids
             last = max((i for i, t in enumerate(prompt_ids) if t in (start, end)), default=-1)
-            seq.in_thinking = last >= 0 and prompt_ids[last] == start
+            seq.decoding.in_thinking = last >= 0 and prompt_ids[last] == start
         self.scheduler.add(seq)
         return seq
 
@@ -326,11 +326,11 @@ class Engine:
             if r.is_prefill:
                 if out is not None and out.prompt_logits is not None and out.prompt_logits[n_row] is not None:
                     seq.score_prompt(r.start, out.prompt_logits[n_row])
-                seq.num_prefilled += len(r.token_ids)
+                seq.kv.num_prefilled += len(r.token_ids)
             if emitted:
                 n_emitted = seq.append(emitted, self.stops.eos_token_ids, self.stops.think_ids, self.stops.max_seq_len)
                 if verified.logprobs is not None and verified.logprobs[n_row] is not None:
-                    seq.logprobs.extend(verified.logprobs[n_row][:n_emitted])
+                    seq.returned.logprobs.extend(verified.logprobs[n_row][:n_emitted])
                 proposed = len(r.token_ids) - 1 if not r.is_prefill else 0
                 seq.stats.record_step(n_emitted, proposed, len(emitted) - 1)
                 if not r.is_prefill and self.spec.drafter is not None:
@@ -338,12 +338,12 @@ class Engine:
                     self.spec.policy.observe(seq.mtp, proposed, len(emitted) - 1, seq.stats)
                 if seq.finish_reason is not None:      # its statistics are complete: the scheduler sums them
                     self.scheduler.finish(seq)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
+                if seq.times.first_token_time is None:
+                    seq.times.first_token_time = now
             valid = r.start + (len(r.token_ids) if r.is_prefill else len(emitted))
-            seq.num_cached = valid
+            seq.kv.num_cached = valid
             if seq.is_finished:
-                seq.finish_time = now
+                seq.times.finish_time = now
                 continue
             inputs.append(DraftInput(seq, r.start, seq.all_ids[r.start + 1: valid + 1],
                                      out.hidden[n_row][:valid - r.start] if out is not None else None,
@@ -393,7 +393,7 @@ class Engine:
             seq = inp.seq
             seq.mtp.drafts = d
             if rewind and not seq.is_finished and seq in self.scheduler.running:
-                self.blocks.rewind(seq.block_table, seq.num_cached)
+                self.blocks.rewind(seq.kv.block_table, seq.kv.num_cached)
             if not seq.is_finished:
                 self.scheduler.settle(seq)          # prefix cache: register the blocks now final
         if self.paths.overlap is not None:

@@ -31,7 +31,7 @@ class ModelRunner:
     def prepare(self, rows: list[ScheduledRow]) -> AttentionMetadata:
         """Host-side inputs of a step: positions, slots, padded index maps (no token ids needed)."""
         positions = [list(range(r.start, r.start + len(r.token_ids))) for r in rows]
-        return AttentionMetadata.build(positions, [r.seq.block_table for r in rows], self.tokens_per_block,
+        return AttentionMetadata.build(positions, [r.seq.kv.block_table for r in rows], self.tokens_per_block,
                                        use_absorbed=not any(r.is_prefill for r in rows), device=self.device)
 
     @torch.inference_mode()

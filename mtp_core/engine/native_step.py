@@ -198,17 +198,17 @@ class NativeStep:
             if not asks:
                 specs.append(RowLogits(n))
                 continue
-            p = seq.params
+            p, dec = seq.params, seq.decoding
             rules = masks = None
             if p.processes_logits:
-                if seq.penalty_rules is None:
+                if dec.penalty_rules is None:
                     stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-                    seq.penalty_rules = PenaltyRules(p, seq.prompt_ids, stop_ids, self.native.vocab)
-                rules = seq.penalty_rules.at(seq.output_ids, r.token_ids[1:])
-            if seq.matcher is not None:
+                    dec.penalty_rules = PenaltyRules(p, seq.prompt_ids, stop_ids, self.native.vocab)
+                rules = dec.penalty_rules.at(seq.output_ids, r.token_ids[1:])
+            if dec.matcher is not None:
                 after_think = p.guided_after_think and self.think_ids is not None
-                masks = guided_masks(seq.matcher.backend, seq.matcher, r.token_ids[1:],
-                                     after_think and seq.in_thinking, self.think_ids if after_think else None)
+                masks = guided_masks(dec.matcher.backend, dec.matcher, r.token_ids[1:],
+                                     after_think and dec.in_thinking, self.think_ids if after_think else None)
             specs.append(RowLogits(n, -1 if p.logprobs is None else p.logprobs, rules, masks))
         return pack_logits_args(specs)
 
@@ -218,8 +218,9 @@ class NativeStep:
         qs = [0]
         for r in rows:
             qs.append(qs[-1] + len(r.token_ids))
-        width = max(len(r.seq.block_table) for r in rows)
-        tables = _i32([b for r in rows for b in r.seq.block_table + [-1] * (width - len(r.seq.block_table))]
+        tables = [r.seq.kv.block_table for r in rows]
+        width = max(len(t) for t in tables)
+        tables = _i32([b for t in tables for b in t + [-1] * (width - len(t))]
                       ).view(len(rows), width)
         vanilla = self.vanilla and mtp_layer >= 0
         chain = [min(self.draft_len - 1, n) if vanilla else max(n - 1, 0) for n in limits]

@@ -42,7 +42,7 @@ class ScheduledRow:
 
     @property
     def is_final_chunk(self) -> bool:
-        return self.is_prefill and self.start + len(self.token_ids) == self.seq.prefill_target
+        return self.is_prefill and self.start + len(self.token_ids) == self.seq.kv.prefill_target
 
 
 class Scheduler:
@@ -87,12 +87,13 @@ class Scheduler:
             drafts = [0] * limit if placeholder else seq.mtp.drafts[:limit]
             if budget < len(drafts) + 1:
                 break
-            end = seq.num_cached + len(drafts) + 1 + self.overshoot()
-            if not allow_preempt and not self.blocks.can_reserve(seq.block_table, end):
+            kv = seq.kv
+            end = kv.num_cached + len(drafts) + 1 + self.overshoot()
+            if not allow_preempt and not self.blocks.can_reserve(kv.block_table, end):
                 raise PreemptionNeeded()
             if not self._reserve_or_preempt(seq, end):
                 continue
-            rows.append(ScheduledRow(seq, False, [seq.all_ids[-1], *drafts], seq.num_cached))
+            rows.append(ScheduledRow(seq, False, [seq.all_ids[-1], *drafts], kv.num_cached))
             budget -= len(drafts) + 1
         # then prefill chunks of running sequences, then new admissions (FIFO)
         candidates = [s for s in self.running if s.is_prefilling]
@@ -112,14 +113,14 @@ class Scheduler:
             if not admitted:
                 self.blocks.stats.record(len(seq.all_ids), len(seq.all_ids) // self.blocks.tokens_per_block, attempt)
                 seq.start_prefill(a)
-                seq.num_settled_blocks = 0
+                seq.kv.num_settled_blocks = 0
                 if attempt is not None:
-                    self.blocks.map_prefix(seq.block_table, attempt)
-                    seq.num_settled_blocks = attempt.copy_from
+                    self.blocks.map_prefix(seq.kv.block_table, attempt)
+                    seq.kv.num_settled_blocks = attempt.copy_from
                 seq.status = Status.RUNNING
                 self.running.append(seq)
-            self.blocks.reserve(seq.block_table, end)
-            a = seq.num_prefilled
+            self.blocks.reserve(seq.kv.block_table, end)
+            a = seq.kv.num_prefilled
             rows.append(ScheduledRow(seq, True, seq.all_ids[a:a + n], a))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
@@ -133,8 +134,8 @@ class Scheduler:
         fit this step's token budget waits for a later step."""
         hit = None if admitted else self._lookup(seq)
         while True:
-            a = seq.num_prefilled if admitted else (hit.start if hit else 0)
-            target = seq.prefill_target if admitted else len(seq.all_ids)
+            a = seq.kv.num_prefilled if admitted else (hit.start if hit else 0)
+            target = seq.kv.prefill_target if admitted else len(seq.all_ids)
             remaining = target - a
             n = min(remaining, budget) if self.chunked else remaining
             if hit is not None and n < min(remaining, self.reuse.min_chunk):
@@ -146,12 +147,12 @@ class Scheduler:
             if hit is not None and not self.blocks.can_map(hit, end):
                 hit = None
                 continue
-            if hit is None and not self.blocks.can_reserve(seq.block_table, end):
+            if hit is None and not self.blocks.can_reserve(seq.kv.block_table, end):
                 return None
             return hit, a, n, end
 
     def _reserve_or_preempt(self, seq: Sequence, end: int) -> bool:
-        while not self.blocks.can_reserve(seq.block_table, end):
+        while not self.blocks.can_reserve(seq.kv.block_table, end):
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1:
                 log.warning("request %d needs %d KV slots but the whole pool holds %d; finishing it (length); "
@@ -163,16 +164,15 @@ class Scheduler:
             self.preempt(victim)
             if victim is seq:
                 return False
-        self.blocks.reserve(seq.block_table, end)
+        self.blocks.reserve(seq.kv.block_table, end)
         return True
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.settle(seq, final=True)
-        self.blocks.free(seq.block_table)
+        self.blocks.free(seq.kv.block_table)
         seq.status = Status.WAITING
-        seq.num_cached = 0
-        seq.num_prefilled = 0
+        seq.kv.num_cached = seq.kv.num_prefilled = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
         log.info("preempted request %d (recompute later); %d free blocks", seq.request_id,
@@ -185,7 +185,7 @@ class Scheduler:
             self.running.remove(seq)
             if cache:
                 self.settle(seq, final=True)
-        self.blocks.free(seq.block_table)
+        self.blocks.free(seq.kv.block_table)
         seq.status = Status.FINISHED
         self.finished_stats.merge(seq.stats)
 
@@ -203,8 +203,8 @@ class Scheduler:
             return None
         if not self.blocks.enable_reuse:
             return None
-        extend_digests(seq.block_digests, seq.all_ids, self.blocks.tokens_per_block)
-        return self.blocks.lookup(seq.all_ids, seq.block_digests, self.reuse.mtp, self.reuse.min_chunk)
+        extend_digests(seq.kv.block_digests, seq.all_ids, self.blocks.tokens_per_block)
+        return self.blocks.lookup(seq.all_ids, seq.kv.block_digests, self.reuse.mtp, self.reuse.min_chunk)
 
     def settle(self, seq: Sequence, final: bool = False) -> None:
         """Registers the sequence's full blocks whose every layer is final: below num_cached (every layer
@@ -213,11 +213,12 @@ class Scheduler:
             return
         # with MTP caches, a position is final only once its MTP entries are written too: a request that
         # skipped drafting (its MTP caches lag, see speculative/backlog.py) registers up to seq.mtp.num_valid
-        valid = min(seq.num_cached, seq.mtp.num_valid) if self.reuse.mtp else seq.num_cached
+        kv = seq.kv
+        valid = min(kv.num_cached, seq.mtp.num_valid) if self.reuse.mtp else kv.num_cached
         valid -= 0 if final else self.reuse.write_lag
-        if valid < self.blocks.tokens_per_block * (seq.num_settled_blocks + 1):
+        if valid < self.blocks.tokens_per_block * (kv.num_settled_blocks + 1):
             return
         ids = seq.all_ids
-        extend_digests(seq.block_digests, ids, self.blocks.tokens_per_block)
-        seq.num_settled_blocks = self.blocks.register(seq.block_table, ids, seq.block_digests, valid,
-                                                      self.reuse.mtp, seq.num_settled_blocks)
+        extend_digests(kv.block_digests, ids, self.blocks.tokens_per_block)
+        kv.num_settled_blocks = self.blocks.register(kv.block_table, ids, kv.block_digests, valid, self.reuse.mtp,
+                                                     kv.num_settled_blocks)

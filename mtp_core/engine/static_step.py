@@ -181,14 +181,14 @@ class StaticDecodeStep:
         flat = [0] * (n_ids + n_start) + [self.scratch] * n_tables + [0] * n_think     # scratch rows by default
         o_start, o_tables, o_think = n_ids, n_ids + n_start, n_ids + n_start + n_tables
         for b, r in enumerate(rows):
-            table = r.seq.block_table
+            table = r.seq.kv.block_table
             if len(r.token_ids) != Q or len(table) > max_blocks:
                 raise ValueError(f"static step: a row brings {len(r.token_ids)} tokens and {len(table)} blocks, "
                                  f"the buffers hold {Q} and at most {max_blocks}")
             flat[b * Q:(b + 1) * Q] = r.token_ids
             flat[o_start + b] = r.start
             flat[o_tables + b * max_blocks:o_tables + b * max_blocks + len(table)] = table
-            flat[o_think + b] = int(r.seq.in_thinking)
+            flat[o_think + b] = int(r.seq.decoding.in_thinking)
         staging.host.copy_(torch.tensor(flat, dtype=torch.long))
         staging.staged.copy_(staging.host, non_blocking=True)
         parts = staging.staged.split(staging.layout)

@@ -1,2 +1,2 @@
 """One request's state, below the engine and speculative decoding (both read and write it, neither owns it):
-tokens and KV state (`sequence.py`), drafting state (`mtp_state.py`), statistics (`stats.py`)."""
+tokens, KV and decoding state (`sequence.py`), drafting state (`mtp_state.py`), statistics (`stats.py`)."""

@@ -13,7 +13,7 @@ class MTPState:
     drafts: list[int] = field(default_factory=list)   # proposed for the next step
     window_hidden: Optional[torch.Tensor] = None   # Vanilla: the last K valid positions' main hidden [<=K, H]
     # the backlog of a row that skips drafting (speculative/backlog.py; the static steps keep it up to date)
-    num_valid: int = 0           # positions 0..num_valid-1 hold valid MTP-cache entries (<= seq.num_cached)
+    num_valid: int = 0           # positions 0..num_valid-1 hold valid MTP-cache entries (<= seq.kv.num_cached)
     pending: Optional[list[torch.Tensor]] = None   # main hidden states, positions num_valid..num_cached-1
     is_off: bool = False         # drafting off for good (the lag outgrew backlog.MAX_MTP_LAG)
     # the acceptance window (adaptive.DraftLimits)

@@ -131,9 +131,9 @@ class EngineCore:
             if dt <= b:
                 s.step_buckets[i] += 1
         for rid, r in list(self.live.items()):
-            if not r.scheduled and (r.seq.status != Status.WAITING or r.seq.num_prefilled):
+            if not r.scheduled and (r.seq.status != Status.WAITING or r.seq.kv.num_prefilled):
                 r.scheduled = True
-                self._publish(rid, r, queue_s=max(t0 - r.seq.arrival_time, 0.0))
+                self._publish(rid, r, queue_s=max(t0 - r.seq.times.arrival_time, 0.0))
             elif r.seq.is_finished or len(r.seq.output_ids) > r.sent:
                 self._publish(rid, r)
         if self.deferred:
@@ -142,11 +142,11 @@ class EngineCore:
     def _publish(self, rid: int, r: _Live, queue_s: Optional[float] = None) -> None:
         seq = r.seq
         new = seq.output_ids[r.sent:]
-        lps = seq.logprobs[r.sent:len(seq.output_ids)] if seq.params.logprobs is not None else None
+        lps = seq.returned.logprobs[r.sent:len(seq.output_ids)] if seq.params.logprobs is not None else None
         plp = None
         if seq.params.prompt_logprobs is not None and not r.prompt_sent and (new or seq.is_finished) \
-                and len(seq.prompt_logprobs) == len(seq.prompt_ids):
-            plp, r.prompt_sent = seq.prompt_logprobs, True
+                and len(seq.returned.prompt_logprobs) == len(seq.prompt_ids):
+            plp, r.prompt_sent = seq.returned.prompt_logprobs, True
         r.sent = len(seq.output_ids)
         self.stats.generation_tokens += len(new)
         if seq.is_finished:
@@ -175,7 +175,7 @@ class EngineCore:
 
 
 def _prefilled(seq: Sequence) -> bool:
-    return seq.is_finished or (seq.status != Status.WAITING and seq.num_prefilled >= len(seq.prompt_ids))
+    return seq.is_finished or (seq.status != Status.WAITING and seq.kv.num_prefilled >= len(seq.prompt_ids))
 
 
 def run_engine_loop(core: EngineCore, recv: Callable[[bool], list[Command]], send: Callable[[Outputs], None],

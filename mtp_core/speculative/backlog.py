@@ -71,8 +71,8 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_pr
             continue
         limit = inp.max_drafts if inp.needs_drafts and inp.max_drafts is not None else 0
         valid = inp.start + len(inp.next_tokens)
-        if limit == 0 and (valid > inp.seq.prefill_target or (defer_prompts and valid <= MAX_MTP_LAG // 2)):
-            prompt = valid <= inp.seq.prefill_target
+        if limit == 0 and (valid > inp.seq.kv.prefill_target or (defer_prompts and valid <= MAX_MTP_LAG // 2)):
+            prompt = valid <= inp.seq.kv.prefill_target
             upto = valid // shared_block * shared_block if prompt and shared_block else 0
             if upto <= max(mtp.num_valid, inp.start):
                 settle(mtp, valid, False, inp.hidden, copy=True if prompt else not views_ok)

@@ -105,7 +105,7 @@ class EagleDrafter(_MTPDrafter):
         K, thr = self.num_draft_tokens, self.confidence_threshold
         positions = [list(range(r.start, r.start + len(r.next_tokens))) for r in rows]
         out = self.runner.run(0, positions, [r.next_tokens for r in rows], torch.cat([r.hidden for r in rows]),
-                              [r.seq.block_table for r in rows])
+                              [r.seq.kv.block_table for r in rows])
         active = [i for i, r in enumerate(rows) if r.needs_drafts and _limit(r, K) > 0]
         if not active:
             return drafts
@@ -129,7 +129,7 @@ class EagleDrafter(_MTPDrafter):
                 sel = torch.tensor(keep, device=g.device)
                 g, d, active = g[sel], [d[n] for n in keep], [active[n] for n in keep]
             pos = [[positions[i][-1] + j] for i in active]
-            g = self.runner.run(0, pos, [[t] for t in d], g, [rows[i].seq.block_table for i in active])
+            g = self.runner.run(0, pos, [[t] for t in d], g, [rows[i].seq.kv.block_table for i in active])
         return drafts
 
 
@@ -173,7 +173,7 @@ class VanillaDrafter(_MTPDrafter):
                 positions.append(list(range(s, s + n)))
                 tokens.append(toks + chain_tok[i])
                 hiddens.append(torch.cat([hid, *[h[None] for h in chain_hid[i]]]) if chain_hid[i] else hid)
-            out = self.runner.run(k, positions, tokens, torch.cat(hiddens), [r.seq.block_table for r in rows])
+            out = self.runner.run(k, positions, tokens, torch.cat(hiddens), [r.seq.kv.block_table for r in rows])
             active = [i for i in drafting if len(drafts[i]) == k and k < drafting[i]]
             if not active:
                 continue

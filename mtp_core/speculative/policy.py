@@ -223,13 +223,13 @@ class CostPolicy(FixedPolicy):
         self._last_k = k
         self._run_k = self._run_k + 1 if k == prev else 1
         if k == 0:                  # every row at 0: no lag to weigh, every row at the count
-            decode_only = all(r.start + len(r.next_tokens) > r.seq.prefill_target for r in rows)
+            decode_only = all(r.start + len(r.next_tokens) > r.seq.kv.prefill_target for r in rows)
             self.timer.pending = Measure(B, 0, 0, decode_only and self._run_k > SETTLE)
             return _apply(rows, [0] * len(rows))
         limits, catchup, uniform, decode_only = [], 0, True, True
         for r, c in zip(rows, caps):
             mtp = r.seq.mtp
-            if r.start + len(r.next_tokens) <= r.seq.prefill_target:
+            if r.start + len(r.next_tokens) <= r.seq.kv.prefill_target:
                 decode_only = False                          # a prefill chunk: this step's drafting is not timed
             j = k if k < c else c
             lag = _lag(r) if j else 0                        # (a row at 0 drafts nothing: no lag to weigh)
@@ -406,7 +406,7 @@ def _lag(r: "DraftInput") -> int:
     if mtp.pending:
         return r.start - mtp.num_valid
     valid = r.start + len(r.next_tokens)
-    if valid <= r.seq.prefill_target and valid <= MAX_MTP_LAG // 2:
+    if valid <= r.seq.kv.prefill_target and valid <= MAX_MTP_LAG // 2:
         return valid - mtp.num_valid
     return 0
 

@@ -175,7 +175,7 @@ class Sampled:
     fused: tuple[str, ...] = ()    # the sample needs the request's generator in Python
 
     def verify_row(self, logits: torch.Tensor, drafts: torch.Tensor, seq: Any) -> list[int]:
-        return verify_sampled_row(logits, drafts, seq.params, seq.generator)
+        return verify_sampled_row(logits, drafts, seq.params, seq.decoding.generator)
 
 
 SAMPLED = Sampled()
@@ -198,11 +198,12 @@ class Acceptance:
         return cls(Relaxed.of(spec), guided)
 
     def rule_for(self, seq: Any) -> AcceptanceRule:
-        if seq.matcher is not None:
+        dec = seq.decoding
+        if dec.matcher is not None:
             return self.guided[0 if seq.params.greedy else 1]
         if not seq.params.greedy:
             return SAMPLED
-        if self.relaxed is not None and seq.in_thinking:
+        if self.relaxed is not None and dec.in_thinking:
             return self.relaxed
         return STRICT
 
@@ -213,8 +214,8 @@ class Acceptance:
 
 def verify(logits: torch.Tensor, drafts: torch.Tensor, rules: Sequence[AcceptanceRule], seqs: Sequence[Any]
            ) -> VerifyResult:
-    """Each row by its rule (Acceptance.rule_for; seqs: what a rule reads of the row: params, generator,
-    matcher, in_thinking). logits [B, K+1, V], drafts [B, K]. The strict rows in one argmax."""
+    """Each row by its rule (Acceptance.rule_for; seqs: what a rule reads of the row: params, and decoding's
+    generator, matcher, in_thinking). logits [B, K+1, V], drafts [B, K]. The strict rows in one argmax."""
     result = verify_strict(logits, drafts)
     for b, (rule, seq) in enumerate(zip(rules, seqs)):
         if rule is not STRICT:
