@@ -35,7 +35,7 @@ from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, copy_block, plan_num_blocks
 from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
-from mtp_core.request.sequence import Sequence, Times
+from mtp_core.request.sequence import Sequence, Stops, Times
 from mtp_core.request.stats import SpecStats
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
@@ -84,14 +84,6 @@ class GeneralRoute:
     def step(self, rows: list[ScheduledRow], meta: Optional[AttentionMetadata]) -> StepOutput:
         out, verified = self.engine._target(rows, meta)
         return StepOutput(rows, verified, out)
-
-
-@dataclass
-class Stops:
-    """What ends and bounds a request's output: its stop tokens, the <think> / </think> pair, its longest length."""
-    eos_token_ids: set[int]
-    think_ids: Optional[tuple[int, int]]
-    max_seq_len: int
 
 
 @dataclass
@@ -177,7 +169,7 @@ class Engine:
         self.pool_tokens = (num_blocks - (graphs is not None)) * kv.tokens_per_block
         self.grammar = Grammars()
         if native_step is not None:
-            native_step.bind(self.stops.eos_token_ids, think_ids)
+            native_step.bind(self.stops)
         # the routes a step can take (engine/step.py), in order: the fused step where the batch allows, else the
         # general path, which takes any batch
         self.paths.routes = [FusedRoute(f) for f in (graphs, native_step) if f is not None]

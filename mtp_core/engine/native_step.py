@@ -36,6 +36,7 @@ from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import DeepseekV3ForCausalLM
 from mtp_core.native.native_decode import NativeDecoder
 from mtp_core.request.mtp_state import MTPState
+from mtp_core.request.sequence import Stops
 from mtp_core.sampling import PenaltyRules
 from mtp_core.speculative import backlog
 from mtp_core.speculative.verifier import Acceptance, VerifyResult
@@ -59,19 +60,17 @@ class NativeStep:
         self.native = native
         self.hidden_size = model.config.hidden_size
         self.mtp_layer = model.num_main_layers if K else -1  # the first MTP module; -1: no drafting (nextn = 0)
-        self.main_caches = caches[:model.num_main_layers]    # what a step in which no row drafts passes
         self.vanilla = vanilla and K > 1                     # modules 0..K-1, each over the row's window
         self.acceptance = acceptance                         # which rows the call verifies (strict, guided)
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
         self.confidence = confidence                         # the confidence gate's threshold (0: off)
         self.num_replays = 0                                 # steps run whole by run()
         # what the rows that need their logits need from the engine (bind): its stop tokens and <think> / </think>
-        self.eos_token_ids: set[int] = set()
-        self.think_ids: Optional[tuple[int, int]] = None
+        self.stops = Stops(set(), None, 0)
         self._limits: Optional[tuple[list[ScheduledRow], list[int]]] = None   # step_for's, for run()
 
-    def bind(self, eos_token_ids: set[int], think_ids: Optional[tuple[int, int]]) -> None:
-        self.eos_token_ids, self.think_ids = eos_token_ids, think_ids
+    def bind(self, stops: Stops) -> None:
+        self.stops = stops
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
         """self when every row is a greedy strict decode row and every row that drafts has the stored states its
@@ -202,13 +201,14 @@ class NativeStep:
             rules = masks = None
             if p.processes_logits:
                 if dec.penalty_rules is None:
-                    stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+                    stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.stops.eos_token_ids))
                     dec.penalty_rules = PenaltyRules(p, seq.prompt_ids, stop_ids, self.native.vocab)
                 rules = dec.penalty_rules.at(seq.output_ids, r.token_ids[1:])
             if dec.matcher is not None:
-                after_think = p.guided_after_think and self.think_ids is not None
+                think_ids = self.stops.think_ids
+                after_think = p.guided_after_think and think_ids is not None
                 masks = guided_masks(dec.matcher.backend, dec.matcher, r.token_ids[1:],
-                                     after_think and dec.in_thinking, self.think_ids if after_think else None)
+                                     after_think and dec.in_thinking, think_ids if after_think else None)
             specs.append(RowLogits(n, -1 if p.logprobs is None else p.logprobs, rules, masks))
         return pack_logits_args(specs)
 
@@ -232,7 +232,7 @@ class NativeStep:
         window = self._windows(rows, limits) if drafting and (vanilla or any(
             r.seq.mtp.num_valid != r.start for r, n in zip(rows, limits) if n)) else (None, None, None, None)
         # a step in which no row drafts is the call of an engine without MTP: no MTP layer, the main caches only
-        caches = self.caches if drafting else self.main_caches
+        caches = self.caches if drafting else self.caches[:self.mtp_layer] if self.mtp_layer >= 0 else self.caches
         logits = self._logits_args(rows)
         out, hidden, windows, lp_vals, lp_ids = nd.step_op(
             nd.handle, _i64(ids), _i32(qs), _i64([r.start for r in rows]), tables, _i32(limits),

@@ -59,6 +59,15 @@ class Times:
     finish_time: Optional[float] = None
 
 
+@dataclass
+class Stops:
+    """What ends and bounds a request's output: its stop tokens, the <think> / </think> pair, its longest length
+    (the engine's, read by the commit and by the native step for the rows that need their logits)."""
+    eos_token_ids: set[int]
+    think_ids: Optional[tuple[int, int]]
+    max_seq_len: int
+
+
 @dataclass(eq=False)      # identity: `seq in running` must not compare every field of every request
 class Sequence:
     """A request: its tokens, its KV state (`kv`: scheduler, engine), what decides its next tokens (`decoding`),
