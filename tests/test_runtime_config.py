@@ -179,13 +179,15 @@ def test_configure_applies_the_process_wide_choices() -> None:
 
 
 # ---- one reader of the environment -----------------------------------------------------------------------
-ENV_READ = re.compile(r"(environ|getenv)\b[^\n]*MTP_CORE_")
+ENV_READ = re.compile(r"(environ|getenv)\b[^\n]*MTP_(CORE|DIST)_")
 # setup.py / setup_ext.py read the build switches (MTP_CORE_BUILD_EXT, MTP_CORE_CUDA_ARCHS) before any config
 # exists; tests/ and scripts/ set the variables for the code under test
 EXCEPT = {"mtp_core/config/runtime.py", "setup.py", "setup_ext.py"}
 
 
 def test_no_file_but_runtime_reads_an_mtp_core_variable() -> None:
+    """MTP_CORE_* and MTP_DIST_* (the collectives' timeout): torchrun's own variables (RANK, LOCAL_RANK, ...) are
+    its launcher's contract and stay where the process group is set up."""
     files = [p for top in ("mtp_core", "cli", "csrc", "mtp_factory", "examples") if (REPO / top).is_dir()
              for p in (REPO / top).rglob("*") if p.suffix in (".py", ".cpp", ".h", ".cu", ".cuh")]
     files += [p for p in REPO.glob("*.py")]
@@ -195,4 +197,15 @@ def test_no_file_but_runtime_reads_an_mtp_core_variable() -> None:
                if ENV_READ.search(line)]
     assert not readers, readers
     text = (REPO / "mtp_core/config/runtime.py").read_text()
-    assert all(var in text for var in (*runtime.ENV.values(), runtime.NATIVE_STEP_ENV))
+    assert all(var in text for var in (*runtime.ENV.values(), runtime.NATIVE_STEP_ENV, runtime.DIST_TIMEOUT_ENV))
+
+
+def test_the_collectives_timeout_is_read_by_runtime(monkeypatch) -> None:
+    monkeypatch.setenv("MTP_DIST_TIMEOUT_S", "12.5")
+    assert runtime.dist_timeout_s(1800.0) == 12.5
+    monkeypatch.setenv("MTP_DIST_TIMEOUT_S", "")
+    assert runtime.dist_timeout_s(1800.0) == 1800.0
+    for bad in ("soon", "0", "-3"):
+        monkeypatch.setenv("MTP_DIST_TIMEOUT_S", bad)
+        with pytest.raises(ValueError, match="MTP_DIST_TIMEOUT_S"):
+            runtime.dist_timeout_s(1800.0)

@@ -1,4 +1,4 @@
-"""The runtime switches, resolved: the one module that reads the MTP_CORE_* environment variables.
+"""The runtime switches, resolved: the one module that reads the project's environment variables.
 
 The config's `runtime` section (engine.py: RuntimeConfig, YAML `runtime:`) declares them; each has an
 environment variable that overrides it where it is set (an empty value counts as unset):
@@ -9,6 +9,7 @@ environment variable that overrides it where it is set (an empty value counts as
   runtime.native_layout  MTP_CORE_NATIVE_LAYOUT  auto | direct | packed
   runtime.device         MTP_CORE_DEVICE         auto | cpu | cuda | cuda:N (the CLI's device)
   LLMConfig.native_step  MTP_CORE_NATIVE_STEP    0 turns the native step off (a Python API field, no YAML key)
+  (torchrun runs)        MTP_DIST_TIMEOUT_S      seconds before a collective gives up (default 1800)
 
 `configure(runtime)` records the settings of the engine being built: `LLM` calls it first, before the model
 loads, and the process-wide choices follow it (kernels/native.py re-resolves the kernels table when their mode
@@ -30,12 +31,13 @@ from .engine import CPU_ISAS, KERNEL_MODES, NATIVE_LAYOUTS, RuntimeConfig
 from .schema import ConfigError, entries
 
 __all__ = ["CPU_ISAS", "ENV", "KERNEL_MODES", "NATIVE_LAYOUTS", "NATIVE_STEP_ENV", "RuntimeConfig", "configure",
-           "cpu_isa", "device", "kernels", "native_decode", "native_layout", "native_step", "setting", "source",
+           "cpu_isa", "device", "dist_timeout_s", "kernels", "native_decode", "native_layout", "native_step", "setting", "source",
            "when_configured"]
 
 ENV = {"kernels": "MTP_CORE_KERNELS", "cpu_isa": "MTP_CORE_CPU_ISA", "native_decode": "MTP_CORE_NATIVE_DECODE",
        "native_layout": "MTP_CORE_NATIVE_LAYOUT", "device": "MTP_CORE_DEVICE"}
 NATIVE_STEP_ENV = "MTP_CORE_NATIVE_STEP"
+DIST_TIMEOUT_ENV = "MTP_DIST_TIMEOUT_S"
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 _configured = RuntimeConfig()          # the settings of the engine built last in this process
@@ -129,6 +131,22 @@ def device(cuda_available: Callable[[], bool], runtime: Optional[RuntimeConfig] 
         raise ConfigError(f"{source('device', runtime)} but torch sees no CUDA device; unset it or use cpu",
                           ENV["device"])
     return want
+
+
+def dist_timeout_s(default: float) -> float:
+    """Seconds a collective of a torchrun run waits before it fails (MTP_DIST_TIMEOUT_S; distributed/launch.py):
+    a dead rank must not hang the others. The variables torchrun itself sets (RANK, WORLD_SIZE, LOCAL_RANK) are
+    its launcher's contract, read where the process group is set up."""
+    raw = _env(DIST_TIMEOUT_ENV)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if value > 0:
+        return value
+    raise ConfigError(f"{DIST_TIMEOUT_ENV}={raw!r}: use a number of seconds above 0", DIST_TIMEOUT_ENV)
 
 
 def native_step(on: bool) -> bool:

@@ -62,7 +62,7 @@ def init_parallel(tp_size: int, ep_size: int, device: str = "cpu",
         # destroy_process_group, and gloo's worker threads then abort the interpreter at exit
         # ("terminate called without an active exception", about 1 run in 10). Import it first.
         importlib.import_module("torch._dynamo")
-        timeout = float(os.environ.get("MTP_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
+        timeout = runtime.dist_timeout_s(DEFAULT_TIMEOUT_S) if timeout_s is None else timeout_s
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout))
         atexit.register(shutdown_parallel)
