@@ -46,6 +46,38 @@ def test_native_step_is_token_exact_and_drafts_as_eager(models, ckpt, K, mode) -
     assert eng.blocks.num_free_blocks == eng.blocks.num_blocks
 
 
+@pytest.mark.parametrize("ckpt,K,schedule", [("tiny1", 1, None), ("tiny1", 3, None), ("tiny3", 4, None),
+                                              ("tiny3", 3, {1: 3, 2: 1, 4: 2})])
+def test_the_native_eagle_draft_equals_the_drafters_chain(models, ckpt, K, schedule) -> None:
+    """mtp_core::eagle_draft (forward 1 and the whole chain in one call: the Eagle drafter on the native decoder)
+    against the drafter's own chain of one op call per forward and per LM head, on the general path (so every
+    step drafts through the drafter: prompts, rows that accepted 0..K drafts, ragged batches and, with a
+    batch-size schedule, rows given fewer drafts): the same drafts in every step, bitwise the same MTP cache,
+    the output of greedy decoding without MTP."""
+    model = models[ckpt]
+    prompts = PROMPTS[:7]
+    params = [greedy(MAX_TOKENS - 3 * (i % 3)) for i in range(len(prompts))]
+    runs, calls = [], []
+    spec = None if schedule is None else dict(draft_len_schedule=schedule)
+    for native in (False, True):
+        eng = make_engine(model, nextn=K, mode="eagle", max_batch_size=4, native_step=False,
+                          overlap_scheduler_on_cpu=False, spec=spec)
+        runner = eng.spec.drafter.runner
+        assert runner.native is not None
+        if native:
+            real = runner.eagle_drafts
+            runner.eagle_drafts = lambda rows, limits, _real=real: calls.append(len(rows)) or _real(rows, limits)
+        else:
+            runner.native = None                    # the chain of per-forward calls
+        log = drafts_per_step(eng)
+        seqs = run_to_end(eng, prompts, params)
+        assert [s.output_ids for s in seqs] == [reference(model, p, sp.max_tokens) for p, sp in zip(prompts, params)]
+        runs.append((log, eng.caches[model.num_main_layers].clone()))
+    assert runs[1][0] == runs[0][0]
+    assert torch.equal(runs[1][1], runs[0][1])
+    assert len(calls) > len(prompts) and max(calls) > 1     # prompts and decode steps, batches of several rows
+
+
 @pytest.mark.parametrize("spec", [dict(draft_len_schedule={1: 3, 2: 1, 4: 0}),
                                   dict(acceptance_window=2, acceptance_length_threshold=3.5)])
 def test_native_step_with_per_row_draft_limits(models, spec) -> None:

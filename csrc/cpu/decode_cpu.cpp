@@ -860,6 +860,14 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
       "Tensor? rule_start=None, Tensor? rule_ids=None, Tensor? rule_vals=None, Tensor? mask_of=None, "
       "Tensor? masks=None, Tensor? top_logprobs=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.impl("mtp_step", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::mtp_step_cpu)));
+  // MTP Eagle's drafting alone (mtp_step_cpu.cpp): rows whose newly valid positions' tokens (x_{q+1}) and main
+  // hidden states come from another forward (a prompt's prefill, the general path): forward 1 over them from
+  // start[b], then the chain -> drafts [B, max num_drafts] int64, -1 padded (the drafter's, exactly).
+  m.def(
+      "eagle_draft(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor ids, Tensor hidden, "
+      "Tensor query_start, Tensor start, Tensor block_tables, Tensor num_drafts, Tensor(a!)[] caches, "
+      "Tensor rope_cos, Tensor rope_sin, int mtp_layer) -> Tensor");
+  m.impl("eagle_draft", torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(mtp_core::eagle_draft_cpu)));
   // mtp_step's strict verification alone, on given logits [T, V] and rules (tests feed it hand-checked tables).
   m.def(
       "verify_greedy(Tensor logits, Tensor ids, Tensor query_start, Tensor? accept_cap=None, "

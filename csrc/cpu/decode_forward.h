@@ -49,6 +49,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mtp_step_
     const std::optional<at::Tensor>& mask_of, const std::optional<at::Tensor>& masks,
     const std::optional<at::Tensor>& top_logprobs);
 
+// The op mtp_core::eagle_draft: MTP Eagle's forward 1 and chain alone, for rows whose target ran elsewhere
+// (mtp_step_cpu.cpp).
+at::Tensor eagle_draft_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids,
+                           const at::Tensor& hidden, const at::Tensor& query_start, const at::Tensor& start,
+                           const at::Tensor& block_tables, const at::Tensor& num_drafts, at::TensorList caches,
+                           const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t mtp_layer);
+
 // The op mtp_core::verify_greedy: mtp_step's strict verification alone, on given logits (mtp_step_cpu.cpp).
 at::Tensor verify_greedy_cpu(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& query_start,
                              const std::optional<at::Tensor>& accept_cap, const std::optional<at::Tensor>& rule_start,

@@ -680,6 +680,88 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mtp_step_
   return {out, hidden_t, window, lp_vals, lp_ids};
 }
 
+// MTP Eagle's drafting alone (drafter.py's EagleDrafter.propose, the same numbers), for rows whose newly valid
+// positions come from elsewhere (a prompt's prefill, the general path's target forward, a catch-up): row b fed
+// ids[qs[b] .. qs[b+1]) (x_{q+1} for its positions start[b] ..) with the main hidden states hidden[qs[b] ..
+// qs[b+1]); forward 1 writes their MTP KV, and D_1 .. D_{num_drafts[b]} follow by the chain, as in mtp_step
+// (eagle_chain: the row is a row that accepted every fed token, whose MTP caches hold positions before start[b])
+// -> [B, max num_drafts] int64, -1 padded. Every row drafts at least one token.
+at::Tensor eagle_draft_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& ids,
+                           const at::Tensor& hidden, const at::Tensor& query_start, const at::Tensor& start,
+                           const at::Tensor& block_tables, const at::Tensor& num_drafts, at::TensorList caches,
+                           const at::Tensor& rope_cos, const at::Tensor& rope_sin, int64_t mtp_layer) {
+  const DecodeWeights& W = *weights;
+  const DecodeDims& d = W.dims();
+  const int64_t H = d.H, V = d.vocab;
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 1 &&
+                  hidden.scalar_type() == at::kFloat && hidden.is_contiguous() && hidden.dim() == 2 &&
+                  hidden.size(0) == ids.numel() && hidden.size(1) == H,
+              "eagle_draft: ids int64 [T], hidden float32 [T, hidden]");
+  TORCH_CHECK(query_start.scalar_type() == at::kInt && query_start.is_contiguous() &&
+                  start.scalar_type() == at::kLong && start.is_contiguous() &&
+                  num_drafts.scalar_type() == at::kInt && num_drafts.is_contiguous() &&
+                  block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "eagle_draft: query_start / num_drafts int32, start int64, block_tables int32 [B, max_blocks]");
+  const int64_t B = block_tables.size(0), max_blocks = block_tables.size(1), T = ids.numel();
+  TORCH_CHECK(B >= 1 && query_start.numel() == B + 1 && start.numel() == B && num_drafts.numel() == B,
+              "eagle_draft: query_start [B+1], start [B], num_drafts [B]");
+  TORCH_CHECK(mtp_layer >= d.num_main && mtp_layer < W.num_layers() && W.layers()[mtp_layer].eh_proj.defined() &&
+                  static_cast<int64_t>(caches.size()) > mtp_layer,
+              "eagle_draft: mtp_layer must be an MTP module with a cache");
+  const at::Tensor& c = caches[mtp_layer];
+  TORCH_CHECK(c.dim() == 3 && c.size(2) == d.cache_row() && c.is_contiguous() &&
+                  (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16 ||
+                   c.scalar_type() == at::kFloat8_e4m3fn),
+              "eagle_draft: the MTP cache must be contiguous [blocks, page, R+P] float32/bfloat16/float8_e4m3fn");
+  TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_cos.is_contiguous() && rope_sin.is_contiguous() &&
+                  rope_cos.dim() == 2 && rope_cos.size(1) * 2 == d.P && rope_sin.sizes() == rope_cos.sizes(),
+              "eagle_draft: rope tables must be contiguous float32 [max_pos, rope/2]");
+  const int64_t page = c.size(1), num_blocks = c.size(0);
+  const int32_t* qs = query_start.data_ptr<int32_t>();
+  const int64_t* st = start.data_ptr<int64_t>();
+  const int32_t* nd = num_drafts.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t* tok = ids.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[B] == T, "eagle_draft: query_start must run from 0 to T");
+  int64_t kmax = 0, dmax = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = qs[b + 1] - qs[b];
+    TORCH_CHECK(n >= 1 && nd[b] >= 1 && st[b] >= 0, "eagle_draft: row ", b, " feeds ", n, " tokens, wants ", nd[b],
+                " drafts");
+    kmax = std::max(kmax, n - 1);
+    dmax = std::max<int64_t>(dmax, nd[b]);
+    const int64_t last = st[b] + n - 1 + nd[b] - 1;     // the chain's last position
+    TORCH_CHECK(last < rope_cos.size(0) && (last / page) < max_blocks, "eagle_draft: row ", b, " reaches position ",
+                last, " beyond its block table or the rope table");
+    for (int64_t i = 0; i <= last / page; ++i) {
+      const int32_t blk = tables[b * max_blocks + i];
+      TORCH_CHECK(blk >= 0 && blk < num_blocks, "eagle_draft: block_tables[", b, ", ", i, "] = ", blk,
+                  " is not a cache block");
+    }
+    for (int64_t t = qs[b]; t < qs[b + 1]; ++t)
+      TORCH_CHECK(tok[t] >= 0 && tok[t] < V, "eagle_draft: token id ", tok[t], " outside the vocabulary");
+  }
+  // each row as mtp_step sees a row that accepted all it fed: n tokens emitted at start .. start + n - 1
+  const int64_t ld = 1 + (kmax + 1) + dmax;
+  std::vector<int64_t> o(B * ld, -1), m(B), run(B);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = qs[b + 1] - qs[b];
+    o[b * ld] = n;
+    std::copy_n(tok + qs[b], n, &o[b * ld + 1]);
+    m[b] = n - 1;
+    run[b] = b;
+  }
+  Window win;
+  win.off.assign(B + 1, 0);
+  win.mtp_valid.assign(st, st + B);
+  eagle_chain(W, mtp_layer, caches, run, hidden.data_ptr<float>(), qs, st, nd, m, o.data(), ld, kmax, win, tables,
+              max_blocks, page, rope_cos.data_ptr<float>(), rope_sin.data_ptr<float>(), 0.0);
+  at::Tensor out = at::empty({B, dmax}, ids.options());
+  int64_t* po = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) std::copy_n(&o[b * ld + 1 + (kmax + 1)], dmax, po + b * dmax);
+  return out;
+}
+
 // The step's verification alone, on given logits (tests feed it hand-checked tables): logits [T, V] float32,
 // ids [T] int64 (each row's token then its drafts), query_start [B + 1] int32, and optionally the rows' rules as
 // mtp_step takes them -> [B, 1 + max row length] int64: (n, emitted tokens, -1 padded), as mtp_step's first columns.

@@ -49,6 +49,7 @@ class NativeDecoder:
         ops = torch.ops.mtp_core
         self.forward_op, self.logits_op, self.step_op = (direct_op(ops.decode_forward),
                                                          direct_op(ops.decode_logits), direct_op(ops.mtp_step))
+        self.draft_op = direct_op(ops.eagle_draft)
         self.num_main = model.num_main_layers
         self.vocab = weights.dims["vocab"]
         self.max_tokens = max_tokens
@@ -132,6 +133,18 @@ class NativeDecoder:
         """MTP module k: (ids [T], hidden [T, H]) -> h_out [T, H] after its shared-head norm."""
         layer = self.num_main + k
         return self._call(layer, 1, ids, hidden.contiguous(), [caches[layer]], meta, False)
+
+    def eagle_drafts(self, ids: torch.Tensor, hidden: torch.Tensor, query_start: torch.Tensor, start: list[int],
+                     tables: torch.Tensor, num_drafts: list[int], caches: list[torch.Tensor]) -> list[list[int]]:
+        """MTP Eagle's forward 1 over each row's fed positions (ids [T]: x_{q+1} from start[b]; hidden [T, H] the
+        main hidden states) and its chain, in one call (mtp_core::eagle_draft) -> num_drafts[b] drafts per row."""
+        ends = [s + n + k for s, n, k in zip(start, (query_start[1:] - query_start[:-1]).tolist(), num_drafts)]
+        if max(ends) > self.rope_len:
+            self.grow_rope(max(ends) + 256)
+        out = self.draft_op(self.handle, ids, hidden, query_start, torch.tensor(start, dtype=torch.long), tables,
+                            torch.tensor(num_drafts, dtype=torch.int32), caches, self.rope_cos, self.rope_sin,
+                            self.num_main).tolist()
+        return [row[:k] for row, k in zip(out, num_drafts)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])

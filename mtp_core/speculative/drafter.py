@@ -24,6 +24,7 @@ import torch
 
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.model.forward_path import ForwardPath
+from mtp_core.native.native_decode import NativeDecoder
 from mtp_core.request.sequence import Sequence
 
 log = logging.getLogger("mtp.engine")
@@ -51,6 +52,22 @@ class Drafter(Protocol):
 class _MTPRunner:
     def __init__(self, path: ForwardPath, caches: list[torch.Tensor], tokens_per_block: int) -> None:
         self.path, self.caches, self.tokens_per_block = path, caches, tokens_per_block
+        # the native decoder drafts a whole Eagle chain in one call (forward 1, then each draft's LM head and
+        # forward), where Python would build metadata and call an op per forward and per LM head
+        self.native = path if isinstance(path, NativeDecoder) else None
+
+    def eagle_drafts(self, rows: list["DraftInput"], limits: list[int]) -> list[list[int]]:
+        """Every row's forward 1 over its new positions and its `limits[r]` (>= 1) drafts, in one native call."""
+        ids = torch.tensor([t for r in rows for t in r.next_tokens], dtype=torch.long)
+        qs = [0]
+        for r in rows:
+            qs.append(qs[-1] + len(r.next_tokens))
+        width = max(len(r.seq.kv.block_table) for r in rows)
+        tables = torch.tensor([r.seq.kv.block_table + [-1] * (width - len(r.seq.kv.block_table)) for r in rows],
+                              dtype=torch.int32)
+        hidden = torch.cat([r.hidden for r in rows]).float().contiguous()
+        return self.native.eagle_drafts(ids, hidden, torch.tensor(qs, dtype=torch.int32), [r.start for r in rows],
+                                        tables, limits, self.caches)
 
     def run(self, module: int, positions: list[list[int]], tokens: list[list[int]], hidden: torch.Tensor,
             tables: list[list[int]]) -> torch.Tensor:
@@ -103,6 +120,8 @@ class EagleDrafter(_MTPDrafter):
         if not rows:
             return drafts
         K, thr = self.num_draft_tokens, self.confidence_threshold
+        if self.runner.native is not None and not thr and all(r.needs_drafts and _limit(r, K) > 0 for r in rows):
+            return self.runner.eagle_drafts(rows, [_limit(r, K) for r in rows])     # the same drafts, one call
         positions = [list(range(r.start, r.start + len(r.next_tokens))) for r in rows]
         out = self.runner.run(0, positions, [r.next_tokens for r in rows], torch.cat([r.hidden for r in rows]),
                               [r.seq.kv.block_table for r in rows])
