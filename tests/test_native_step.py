@@ -78,6 +78,29 @@ def test_the_native_eagle_draft_equals_the_drafters_chain(models, ckpt, K, sched
     assert len(calls) > len(prompts) and max(calls) > 1     # prompts and decode steps, batches of several rows
 
 
+def test_the_native_eagle_draft_refuses_bad_rows(models) -> None:
+    """One-line errors, nothing written past the table: a row that reaches past its block table, a token outside
+    the vocabulary, a row that wants no draft, a module that is not an MTP layer."""
+    eng = make_engine(models["tiny1"], nextn=2, mode="eagle", native_step=False, overlap_scheduler_on_cpu=False)
+    nd = eng.spec.drafter.runner.native
+    H, page = nd.weights.dims["hidden"], eng.blocks.tokens_per_block
+    op = torch.ops.mtp_core.eagle_draft
+
+    def call(ids, start, drafts, table=(0,), layer=nd.num_main):
+        return op(nd.handle, torch.tensor(ids), torch.zeros(len(ids), H), torch.tensor([0, len(ids)], dtype=torch.int32),
+                  torch.tensor([start]), torch.tensor([list(table)], dtype=torch.int32),
+                  torch.tensor([drafts], dtype=torch.int32), eng.caches, nd.rope_cos, nd.rope_sin, layer)
+    assert call([3, 4], 0, 2).shape == (1, 2)                      # the premise: a good row drafts
+    with pytest.raises(RuntimeError, match="reaches position"):
+        call([3, 4], page - 2, 2)                                   # its chain's last draft is one block on
+    with pytest.raises(RuntimeError, match="outside the vocabulary"):
+        call([3, nd.vocab], 0, 1)
+    with pytest.raises(RuntimeError, match="wants 0 drafts"):
+        call([3], 0, 0)
+    with pytest.raises(RuntimeError, match="must be an MTP module"):
+        call([3], 0, 1, layer=0)
+
+
 @pytest.mark.parametrize("spec", [dict(draft_len_schedule={1: 3, 2: 1, 4: 0}),
                                   dict(acceptance_window=2, acceptance_length_threshold=3.5)])
 def test_native_step_with_per_row_draft_limits(models, spec) -> None:

@@ -512,6 +512,27 @@ void eagle_chain(const DecodeWeights& W, int64_t mtp_layer, at::TensorList cache
   }
 }
 
+// The rope tables an op reads (op names it in messages): contiguous float32 [max_pos, rope / 2], cos and sin alike.
+void check_rope(const char* op, const at::Tensor& cos, const at::Tensor& sin, int64_t rope_dim) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                  cos.size(1) * 2 == rope_dim && sin.sizes() == cos.sizes(),
+              op, ": rope tables must be contiguous float32 [max_pos, rope/2]");
+}
+
+// Row b of an op's batch: every position it writes, up to `last`, is a cache slot of its table and a row of the
+// rope tables, and the tokens it feeds, tok[t0 .. t1), are in the vocabulary.
+void check_row(const char* op, int64_t b, int64_t last, const int32_t* tables, int64_t max_blocks, int64_t page,
+               int64_t num_blocks, int64_t rope_len, const int64_t* tok, int64_t t0, int64_t t1, int64_t V) {
+  TORCH_CHECK(last < rope_len && (last / page) < max_blocks, op, ": row ", b, " reaches position ", last,
+              " beyond its block table or the rope table");
+  for (int64_t i = 0; i <= last / page; ++i) {
+    const int32_t blk = tables[b * max_blocks + i];
+    TORCH_CHECK(blk >= 0 && blk < num_blocks, op, ": block_tables[", b, ", ", i, "] = ", blk, " is not a cache block");
+  }
+  for (int64_t t = t0; t < t1; ++t)
+    TORCH_CHECK(tok[t] >= 0 && tok[t] < V, op, ": token id ", tok[t], " outside the vocabulary");
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(
@@ -546,9 +567,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mtp_step_
                     static_cast<int64_t>(caches.size()) > mtp_layer + k,
                 "mtp_step: mtp_layer .. mtp_layer + num_modules - 1 must be MTP modules with caches, or mtp_layer -1");
   TORCH_CHECK(static_cast<int64_t>(caches.size()) >= L, "mtp_step: a cache per main layer is needed");
-  TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_cos.is_contiguous() && rope_sin.is_contiguous() &&
-                  rope_cos.dim() == 2 && rope_cos.size(1) * 2 == d.P && rope_sin.sizes() == rope_cos.sizes(),
-              "mtp_step: rope tables must be contiguous float32 [max_pos, rope/2]");
+  check_rope("mtp_step", rope_cos, rope_sin, d.P);
   std::vector<int64_t> checked{0};       // main layer 0 and every MTP module this step runs, alike
   for (int64_t k = 0; drafting && k < num_modules; ++k) checked.push_back(mtp_layer + k);
   for (int64_t l : checked) {
@@ -584,16 +603,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mtp_step_
     // row's table: Eagle's chain ends at start + m + nd - 1, Vanilla's (module k: min(k, nd) drafts past the valid
     // length) at start + m + min(K - 1, nd)
     const int64_t chain = vanilla ? std::min<int64_t>(num_modules - 1, nd[b]) : std::max<int64_t>(nd[b] - 1, 0);
-    const int64_t last = st[b] + nq - 1 + chain;
-    TORCH_CHECK(last < rope_cos.size(0) && (last / page) < max_blocks, "mtp_step: row ", b, " reaches position ",
-                last, " beyond its block table or the rope table");
-    for (int64_t i = 0; i <= last / page; ++i) {
-      const int32_t blk = tables[b * max_blocks + i];
-      TORCH_CHECK(blk >= 0 && blk < num_blocks, "mtp_step: block_tables[", b, ", ", i, "] = ", blk,
-                  " is not a cache block");
-    }
-    for (int64_t t = qs[b]; t < qs[b + 1]; ++t)
-      TORCH_CHECK(tok[t] >= 0 && tok[t] < V, "mtp_step: token id ", tok[t], " outside the vocabulary");
+    check_row("mtp_step", b, st[b] + nq - 1 + chain, tables, max_blocks, page, num_blocks, rope_cos.size(0), tok,
+              qs[b], qs[b + 1], V);
   }
   // the rows' windows: window_len[b] stored positions before start (token x_{q+1}, main hidden h_q) for the rows
   // that draft: at least the lagging ones (mtp_valid .. start - 1) and, for Vanilla, min(K - 1, start) (its
@@ -713,9 +724,7 @@ at::Tensor eagle_draft_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, con
                   (c.scalar_type() == at::kFloat || c.scalar_type() == at::kBFloat16 ||
                    c.scalar_type() == at::kFloat8_e4m3fn),
               "eagle_draft: the MTP cache must be contiguous [blocks, page, R+P] float32/bfloat16/float8_e4m3fn");
-  TORCH_CHECK(rope_cos.scalar_type() == at::kFloat && rope_cos.is_contiguous() && rope_sin.is_contiguous() &&
-                  rope_cos.dim() == 2 && rope_cos.size(1) * 2 == d.P && rope_sin.sizes() == rope_cos.sizes(),
-              "eagle_draft: rope tables must be contiguous float32 [max_pos, rope/2]");
+  check_rope("eagle_draft", rope_cos, rope_sin, d.P);
   const int64_t page = c.size(1), num_blocks = c.size(0);
   const int32_t* qs = query_start.data_ptr<int32_t>();
   const int64_t* st = start.data_ptr<int64_t>();
@@ -730,16 +739,8 @@ at::Tensor eagle_draft_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, con
                 " drafts");
     kmax = std::max(kmax, n - 1);
     dmax = std::max<int64_t>(dmax, nd[b]);
-    const int64_t last = st[b] + n - 1 + nd[b] - 1;     // the chain's last position
-    TORCH_CHECK(last < rope_cos.size(0) && (last / page) < max_blocks, "eagle_draft: row ", b, " reaches position ",
-                last, " beyond its block table or the rope table");
-    for (int64_t i = 0; i <= last / page; ++i) {
-      const int32_t blk = tables[b * max_blocks + i];
-      TORCH_CHECK(blk >= 0 && blk < num_blocks, "eagle_draft: block_tables[", b, ", ", i, "] = ", blk,
-                  " is not a cache block");
-    }
-    for (int64_t t = qs[b]; t < qs[b + 1]; ++t)
-      TORCH_CHECK(tok[t] >= 0 && tok[t] < V, "eagle_draft: token id ", tok[t], " outside the vocabulary");
+    check_row("eagle_draft", b, st[b] + n - 1 + nd[b] - 1, tables, max_blocks, page, num_blocks, rope_cos.size(0),
+              tok, qs[b], qs[b + 1], V);     // up to the chain's last position
   }
   // each row as mtp_step sees a row that accepted all it fed: n tokens emitted at start .. start + n - 1
   const int64_t ld = 1 + (kmax + 1) + dmax;
