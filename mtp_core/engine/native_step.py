@@ -34,7 +34,7 @@ import torch
 
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.model import DeepseekV3ForCausalLM
-from mtp_core.native.native_decode import NativeDecoder
+from mtp_core.native.native_decode import NativeDecoder, padded_tables
 from mtp_core.request.mtp_state import MTPState
 from mtp_core.request.sequence import Stops
 from mtp_core.sampling import PenaltyRules
@@ -58,8 +58,8 @@ class NativeStep:
                  confidence: float = 0.0) -> None:
         self.caches, self.draft_len = caches, K
         self.native = native
-        self.hidden_size = model.config.hidden_size
         self.mtp_layer = model.num_main_layers if K else -1  # the first MTP module; -1: no drafting (nextn = 0)
+        self.main_caches = caches[:model.num_main_layers]    # what a step in which no row drafts passes
         self.vanilla = vanilla and K > 1                     # modules 0..K-1, each over the row's window
         self.acceptance = acceptance                         # which rows the call verifies (strict, guided)
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
@@ -153,7 +153,7 @@ class NativeStep:
             states = torch.cat(parts) if len(parts) > 1 else parts[0]
             hid.append(states[len(states) - w:])
         hidden = (torch.cat(hid) if len(hid) > 1 else hid[0]).float().contiguous() if hid else \
-            torch.empty(0, self.hidden_size)
+            torch.empty(0, self.native.weights.dims["hidden"])
         return _i64(ids), hidden, _i32(lens), _i64([r.seq.mtp.num_valid for r in rows])
 
     def _settle(self, rows: list[ScheduledRow], limits: list[int], out: list[list[int]], hidden: torch.Tensor,
@@ -218,10 +218,7 @@ class NativeStep:
         qs = [0]
         for r in rows:
             qs.append(qs[-1] + len(r.token_ids))
-        tables = [r.seq.kv.block_table for r in rows]
-        width = max(len(t) for t in tables)
-        tables = _i32([b for t in tables for b in t + [-1] * (width - len(t))]
-                      ).view(len(rows), width)
+        tables = padded_tables([r.seq.kv.block_table for r in rows])
         vanilla = self.vanilla and mtp_layer >= 0
         chain = [min(self.draft_len - 1, n) if vanilla else max(n - 1, 0) for n in limits]
         ends = [r.start + len(r.token_ids) + c for r, c in zip(rows, chain)]
@@ -232,7 +229,7 @@ class NativeStep:
         window = self._windows(rows, limits) if drafting and (vanilla or any(
             r.seq.mtp.num_valid != r.start for r, n in zip(rows, limits) if n)) else (None, None, None, None)
         # a step in which no row drafts is the call of an engine without MTP: no MTP layer, the main caches only
-        caches = self.caches if drafting else self.caches[:self.mtp_layer] if self.mtp_layer >= 0 else self.caches
+        caches = self.caches if drafting else self.main_caches
         logits = self._logits_args(rows)
         out, hidden, windows, lp_vals, lp_ids = nd.step_op(
             nd.handle, _i64(ids), _i32(qs), _i64([r.start for r in rows]), tables, _i32(limits),

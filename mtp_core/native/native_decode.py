@@ -12,6 +12,8 @@ however its prompt was chunked. References: the model's torch path and kernels/n
 """
 from __future__ import annotations
 
+import array
+
 import logging
 from typing import Any, Callable, Optional
 
@@ -134,14 +136,20 @@ class NativeDecoder:
         layer = self.num_main + k
         return self._call(layer, 1, ids, hidden.contiguous(), [caches[layer]], meta, False)
 
-    def eagle_drafts(self, ids: torch.Tensor, hidden: torch.Tensor, query_start: torch.Tensor, start: list[int],
-                     tables: torch.Tensor, num_drafts: list[int], caches: list[torch.Tensor]) -> list[list[int]]:
-        """MTP Eagle's forward 1 over each row's fed positions (ids [T]: x_{q+1} from start[b]; hidden [T, H] the
-        main hidden states) and its chain, in one call (mtp_core::eagle_draft) -> num_drafts[b] drafts per row."""
-        ends = [s + n + k for s, n, k in zip(start, (query_start[1:] - query_start[:-1]).tolist(), num_drafts)]
-        if max(ends) > self.rope_len:
-            self.grow_rope(max(ends) + 256)
-        out = self.draft_op(self.handle, ids, hidden, query_start, torch.tensor(start, dtype=torch.long), tables,
+    def eagle_drafts(self, next_tokens: list[list[int]], hidden: torch.Tensor, start: list[int],
+                     tables: list[list[int]], num_drafts: list[int], caches: list[torch.Tensor]) -> list[list[int]]:
+        """MTP Eagle's forward 1 over each row's new positions (next_tokens[b]: x_{q+1} from start[b]; hidden
+        [T, H] their main hidden states, rows one after another) and its chain, in one call
+        (mtp_core::eagle_draft) -> num_drafts[b] drafts per row."""
+        end = max(s + len(t) + k for s, t, k in zip(start, next_tokens, num_drafts))
+        if end > self.rope_len:
+            self.grow_rope(end + 256)
+        qs = [0]
+        for t in next_tokens:
+            qs.append(qs[-1] + len(t))
+        out = self.draft_op(self.handle, torch.tensor([x for t in next_tokens for x in t], dtype=torch.long),
+                            hidden.float().contiguous(), torch.tensor(qs, dtype=torch.int32),
+                            torch.tensor(start, dtype=torch.long), padded_tables(tables),
                             torch.tensor(num_drafts, dtype=torch.int32), caches, self.rope_cos, self.rope_sin,
                             self.num_main).tolist()
         return [row[:k] for row, k in zip(out, num_drafts)]
@@ -149,6 +157,13 @@ class NativeDecoder:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         return self.logits_op(self.handle, flat).view(*hidden.shape[:-1], self.vocab)
+
+
+def padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """The rows' block tables as the native ops take them: int32 [B, longest], -1 past a row's last block."""
+    width = max(len(t) for t in tables)
+    flat = array.array("i", [b for t in tables for b in t + [-1] * (width - len(t))])
+    return torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width)
 
 
 def _pieces(meta: AttentionMetadata, max_tokens: int) -> list[tuple[int, int, AttentionMetadata]]:

@@ -58,16 +58,9 @@ class _MTPRunner:
 
     def eagle_drafts(self, rows: list["DraftInput"], limits: list[int]) -> list[list[int]]:
         """Every row's forward 1 over its new positions and its `limits[r]` (>= 1) drafts, in one native call."""
-        ids = torch.tensor([t for r in rows for t in r.next_tokens], dtype=torch.long)
-        qs = [0]
-        for r in rows:
-            qs.append(qs[-1] + len(r.next_tokens))
-        width = max(len(r.seq.kv.block_table) for r in rows)
-        tables = torch.tensor([r.seq.kv.block_table + [-1] * (width - len(r.seq.kv.block_table)) for r in rows],
-                              dtype=torch.int32)
-        hidden = torch.cat([r.hidden for r in rows]).float().contiguous()
-        return self.native.eagle_drafts(ids, hidden, torch.tensor(qs, dtype=torch.int32), [r.start for r in rows],
-                                        tables, limits, self.caches)
+        return self.native.eagle_drafts([r.next_tokens for r in rows], torch.cat([r.hidden for r in rows]),
+                                        [r.start for r in rows], [r.seq.kv.block_table for r in rows], limits,
+                                        self.caches)
 
     def run(self, module: int, positions: list[list[int]], tokens: list[list[int]], hidden: torch.Tensor,
             tables: list[list[int]]) -> torch.Tensor:

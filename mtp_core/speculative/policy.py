@@ -262,7 +262,7 @@ class CostPolicy(FixedPolicy):
         # smaller count is re-derived each step: the positions it does not verify are not observed, and their
         # stale estimates would keep it there longer
 
-        stands = settled and self._retry is None and (not k or (k == prev == kmax and self._run_k >= 1))
+        stands = settled and self._retry is None and (not k or k == prev == kmax)
         self._standing = Standing(key, k, resume, (REDECIDE_DRAFTING if k else REDECIDE) - 1) if stands else None
         return k, resume
 
