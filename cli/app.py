@@ -40,6 +40,9 @@ try:  # commands added by later issues register themselves only when their modul
         prepare_dataset_command)
     app.command("sweep", help="nextn 0..5 x Eagle/Vanilla + relaxed acceptance in one process; table and plot.")(
         sweep_command)
+    from cli.token_map import token_map_command
+    app.command("token-map", help="Write a draft vocabulary (--spec_decode_token_map) from token frequencies.")(
+        token_map_command)
 except ImportError:  # pragma: no cover
     pass
 

@@ -3,7 +3,9 @@
 #   1. every draft rejected (the head predicts nothing): MTP on with the default settings vs nextn=0, 24 tokens
 #      after a 2-token warm-up (scripts/rejected_head_bench.py), on CKPT_REJECT;
 #   2. a realistic acceptance, replayed (`mtp bench --replay_acceptance r1`): nextn=0, the default policy and
-#      fixed K = 1, 2, 3 on CKPT_REPLAY (the step cost of each K and the policy's choices), two alternating passes.
+#      fixed K = 1, 2, 3 on CKPT_REPLAY (the step cost of each K and the policy's choices), two alternating passes;
+#      with MAP_SIZE=N also the default policy and fixed K = 1, 2, 3 drafting over a draft vocabulary of N ids
+#      (`mtp token-map` over the synthetic prompts; the replay sets acceptance, so the rows show the cost side).
 # Usage: CKPT_REJECT=<dir> CKPT_REPLAY=<dir> bash scripts/mtp_real_width.sh OUT_DIR
 set -euo pipefail
 out=${1:?usage: mtp_real_width.sh OUT_DIR}
@@ -38,12 +40,21 @@ print(f"{sys.argv[2]:28s} tok/s {p['per_user_output_throughput_tps']:7.2f}  TPOT
 EOF
   }
   MTP="--spec_decode_algo MTP --spec_decode_max_draft_len 3 --replay_acceptance r1"
+  MAP=()
+  if [ -n "${MAP_SIZE:-}" ]; then
+    python3 -m cli token-map --dataset "$out/synthetic.jsonl" --model_dir "$CKPT_REPLAY" --size "$MAP_SIZE" \
+      --output "$out/map.json"
+    MAP=(--spec_decode_token_map "$out/map.json")
+  fi
   for pass in 1 2; do
     bench "nextn=0 pass $pass"
     bench "default MTP, r1 pass $pass" $MTP
+    [ ${#MAP[@]} -eq 0 ] || bench "default MTP + map, r1 pass $pass" $MTP "${MAP[@]}"
   done | tee "$out/replay.txt"
   for k in 1 2 3; do
     bench "fixed K=$k, r1" --spec_decode_algo MTP --spec_decode_max_draft_len $k --replay_acceptance r1 \
       --spec_decode_draft_len_policy fixed
+    [ ${#MAP[@]} -eq 0 ] || bench "fixed K=$k + map, r1" --spec_decode_algo MTP --spec_decode_max_draft_len $k \
+      --replay_acceptance r1 --spec_decode_draft_len_policy fixed "${MAP[@]}"
   done | tee -a "$out/replay.txt"
 fi

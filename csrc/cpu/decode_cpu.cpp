@@ -644,8 +644,10 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
   arena.release_if_large();
 }
 
-void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y) {
-  const Mat& M = W.lm_head();
+namespace {
+
+// y [T, M.n] = x [T, M.k] @ M^T over the thread team (an LM head: every thread a range of output rows)
+void head_gemm(const Mat& M, const float* x, int64_t T, float* y) {
   if (T == 0) return;
   const int nt = at::get_num_threads();
   std::vector<std::unique_ptr<float[]>> scratch(nt);
@@ -655,6 +657,14 @@ void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y) {
     const auto [n0, n1] = tm.split(M.n, cpu::gemm_align(M));
     run_gemm(M, X, n0, n1, y, M.n, scratch[tm.rank()].get());
   });
+}
+
+}  // namespace
+
+void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y) { head_gemm(W.lm_head(), x, T, y); }
+
+void draft_logits(const DecodeWeights& W, const float* x, int64_t T, float* y) {
+  head_gemm(W.draft_head(), x, T, y);
 }
 
 namespace {
@@ -751,13 +761,14 @@ at::Tensor decode_forward_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, 
   return out;
 }
 
-// logits [T, vocab] fp32 = hidden [T, H] @ lm_head^T, with the batch-invariant kernel and the thread team.
-at::Tensor decode_logits_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& hidden) {
-  const Mat& M = weights->lm_head();
+// logits [T, vocab] fp32 = hidden [T, H] @ lm_head^T, with the batch-invariant kernel and the thread team; draft:
+// the drafts' head instead ([T, draft vocabulary]: DecodeWeights::draft_head).
+at::Tensor decode_logits_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, const at::Tensor& hidden, bool draft) {
+  const Mat& M = draft ? weights->draft_head() : weights->lm_head();
   TORCH_CHECK(hidden.dim() == 2 && hidden.size(1) == M.k, "decode_logits: hidden must be [T, ", M.k, "]");
   const at::Tensor x = hidden.to(at::kFloat).contiguous();
   at::Tensor y = at::empty({x.size(0), M.n}, x.options());
-  lm_head(*weights, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
+  head_gemm(M, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
   return y;
 }
 
@@ -832,7 +843,8 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
       "Tensor ids, Tensor? mtp_hidden, Tensor(a!)[] caches, Tensor rope_cos, Tensor rope_sin, Tensor positions, "
       "Tensor slot_mapping, Tensor query_start, Tensor block_tables, Tensor seqlens, bool final_norm) -> Tensor");
   // The LM head: hidden [T, H] -> logits [T, vocab] float32, batch-invariant.
-  m.def("decode_logits(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor hidden) -> Tensor");
+  m.def("decode_logits(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor hidden, bool draft=False) -> "
+        "Tensor");
   // One matrix (layout kRows=0 / kCols=1 / kPanel=2 / kPairs=3, format f32=0 / bf16=1 / fp8=2 / nvfp4=3) applied to
   // x [T, k] -> [T, n] float32, with the forward's kernels.
   m.def(

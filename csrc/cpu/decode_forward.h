@@ -36,6 +36,8 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
 
 // logits y [T, vocab] = x [T, H] @ lm_head^T, batch-invariant, on the thread team.
 void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y);
+// the drafts' head (DecodeWeights::draft_head): y [T, draft_vocab()]
+void draft_logits(const DecodeWeights& W, const float* x, int64_t T, float* y);
 
 // The op mtp_core::mtp_step (mtp_step_cpu.cpp; registered with the others in decode_cpu.cpp).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> mtp_step_cpu(

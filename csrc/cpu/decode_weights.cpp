@@ -191,6 +191,18 @@ DecodeWeights::DecodeWeights(c10::Dict<std::string, at::Tensor> tensors, c10::Di
   final_norm_ = norm("final_norm", d_.H, true);
   lm_head_ = mat("lm_head", true);
   TORCH_CHECK(lm_head_.n == d_.vocab && lm_head_.k == d_.H, "DecodeWeights: lm_head must be [vocab, hidden]");
+  draft_head_ = mat("draft_head");
+  if (draft_head_.defined()) {
+    TORCH_CHECK(tensors_.contains("draft_ids"), "DecodeWeights: draft_head needs draft_ids");
+    const at::Tensor ids = tensors_.at("draft_ids");
+    TORCH_CHECK(draft_head_.k == d_.H && draft_head_.n >= 1 && ids.scalar_type() == at::kLong &&
+                    ids.is_contiguous() && ids.dim() == 1 && ids.numel() == draft_head_.n,
+                "DecodeWeights: draft_head must be [n, hidden] with draft_ids int64 [n]");
+    draft_ids_ = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < draft_head_.n; ++i)
+      TORCH_CHECK(draft_ids_[i] >= 0 && draft_ids_[i] < d_.vocab, "DecodeWeights: draft_ids[", i, "] = ",
+                  draft_ids_[i], " is outside the vocabulary");
+  }
   const int64_t L = get_int(ints_, "num_layers");
   const int64_t R = d_.R, P = d_.P, nh = d_.heads;
   for (int64_t l = 0; l < L; ++l) {
@@ -274,6 +286,7 @@ std::string DecodeWeights::summary() const {
   if (d_.idx_topk)
     s << ", sparse attention (DSA: " << d_.idx_heads << " indexer heads of " << d_.idx_dim << ", top-" << d_.idx_topk
       << ")";
+  if (draft_ids_) s << ", drafts over a vocabulary of " << draft_head_.n << " of " << d_.vocab << " ids";
   if (num_amx_) s << ", " << num_amx_ << " matrices on AMX tiles (bf16 activations)";
   if (num_dot_) s << ", " << num_dot_ << " matrices on AVX512-BF16 dot products (bf16 activations)";
   return s.str();

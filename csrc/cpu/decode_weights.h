@@ -8,7 +8,8 @@
 //   layer l's entries under "layers.<l>." (q_in, kv_a, q_b, uk.<h>, uv.<h>, o, mlp.gate/up/down,
 //   router, experts.<e>.gate/up/down, shared.gate/up/down, eh_proj, DSA's idx_q/idx_k/idx_w; norms in_norm,
 //   q_a_norm, kv_norm, post_norm, enorm, hnorm, head_norm, idx_norm, idx_bias; router_bias) and the model's
-//   embed, final_norm, lm_head.
+//   embed, final_norm, lm_head; optionally the drafts' head over a draft vocabulary: draft_head (its rows are the
+//   lm_head rows of the ids tensors["draft_ids"], int64 [n], in that order).
 // The tensors are kept alive here (views of the model's own parameters: no copy is made), so the forward
 // takes only the batch.
 #pragma once
@@ -84,6 +85,11 @@ class DecodeWeights : public torch::CustomClassHolder {
   const NormW& embed() const { return embed_; }
   const NormW& final_norm() const { return final_norm_; }
   const cpu::Mat& lm_head() const { return lm_head_; }
+  // the LM head MTP drafts are scored with: draft_head over the draft vocabulary when the model was given one,
+  // else lm_head; draft_id maps its output column to a token id
+  const cpu::Mat& draft_head() const { return draft_ids_ ? draft_head_ : lm_head_; }
+  int64_t draft_vocab() const { return draft_head().n; }
+  int64_t draft_id(int64_t column) const { return draft_ids_ ? draft_ids_[column] : column; }
   int64_t max_scratch() const { return max_scratch_; }      // floats of gemm scratch any matrix needs
   int64_t max_inter() const { return max_inter_; }          // widest FFN intermediate
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -100,7 +106,8 @@ class DecodeWeights : public torch::CustomClassHolder {
   DecodeDims d_;
   std::vector<LayerW> layers_;
   NormW embed_, final_norm_;
-  cpu::Mat lm_head_;
+  cpu::Mat lm_head_, draft_head_;
+  const int64_t* draft_ids_ = nullptr;
   int64_t max_scratch_ = 0, max_inter_ = 0;
   int64_t bytes_ = 0, num_amx_ = 0, num_dot_ = 0;
   bool use_amx_ = false, use_dot_ = false;

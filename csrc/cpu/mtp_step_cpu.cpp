@@ -6,6 +6,7 @@
 //   emitted = [d_1..d_m, argmax at m]    n = m + 1 tokens
 //   g       = MTP(emitted, target hidden)   Eagle forward 1 over positions mtp_valid..start+m (MTP KV written)
 //   D_1     = argmax head(g at start+m);  D_j = MTP(D_{j-1}, g) at start+m+j-1, for j <= num_drafts[b]
+//             (head: the drafts' head, over the draft vocabulary when the weights carry one: draft_head)
 //
 // MTP Vanilla (num_modules = K > 1) replaces the last two lines with the K modules' windows (vanilla_chain).
 // Rows may carry different numbers of drafts in and out (k_b, num_drafts[b] up to K). A row that wants no
@@ -391,7 +392,7 @@ at::Tensor vanilla_chain(const DecodeWeights& W, int64_t mtp_layer, int64_t K, a
                          const float* sin, double confidence) {
   const int64_t B = static_cast<int64_t>(m.size()), R = static_cast<int64_t>(run.size());
   Gate gate(confidence, R);
-  const int64_t H = W.dims().H, V = W.dims().vocab;
+  const int64_t H = W.dims().H, V = W.draft_vocab();    // drafts are scored over the draft vocabulary
   std::vector<int64_t> s(R), base(R);
   std::vector<std::vector<int64_t>> toks(R);    // per run row: the window's tokens, then its drafts
   std::vector<std::vector<float>> hids(R);      // their hidden states [n, H]
@@ -432,9 +433,9 @@ at::Tensor vanilla_chain(const DecodeWeights& W, int64_t mtp_layer, int64_t K, a
     for (int64_t a = 0; a < n; ++a)
       std::copy_n(&g[(rows.qstart[active[a] + 1] - 1) * H], H, &last[a * H]);
     lg.resize(n * V);
-    lm_head(W, last.data(), n, lg.data());
+    draft_logits(W, last.data(), n, lg.data());
     for (int64_t a = 0; a < n; ++a) {
-      const int64_t r = active[a], dk = argmax_row(&lg[a * V], V);
+      const int64_t r = active[a], dk = W.draft_id(argmax_row(&lg[a * V], V));
       if (!gate.pass(r, &lg[a * V], V)) continue;      // no draft from here on; the modules still run its window
       o[run[r] * ld + 1 + (kmax + 1) + k] = dk;
       if (k + 1 < K) {          // the next modules see this draft
@@ -453,7 +454,7 @@ void eagle_chain(const DecodeWeights& W, int64_t mtp_layer, at::TensorList cache
                  const std::vector<int64_t>& m, int64_t* o, int64_t ld, int64_t kmax, const Window& win,
                  const int32_t* tables, int64_t max_blocks, int64_t page, const float* cos, const float* sin,
                  double confidence) {
-  const int64_t R = static_cast<int64_t>(run.size()), H = W.dims().H, V = W.dims().vocab;
+  const int64_t R = static_cast<int64_t>(run.size()), H = W.dims().H, V = W.draft_vocab();
   Gate gate(confidence, R);
   const std::vector<at::Tensor> cache{caches[mtp_layer]};
   const std::vector<int32_t> tab = tables_of(run, tables, max_blocks);
@@ -483,10 +484,10 @@ void eagle_chain(const DecodeWeights& W, int64_t mtp_layer, at::TensorList cache
     std::vector<float> gx(n * H);
     for (int64_t a = 0; a < n; ++a) std::copy_n(&g[rows[a] * H], H, &gx[a * H]);
     lg.resize(n * V);
-    lm_head(W, gx.data(), n, lg.data());
+    draft_logits(W, gx.data(), n, lg.data());
     std::vector<int64_t> next;
     for (int64_t a = 0; a < n; ++a) {
-      const int64_t r = rows[a], dj = argmax_row(&lg[a * V], V);
+      const int64_t r = rows[a], dj = W.draft_id(argmax_row(&lg[a * V], V));
       if (!gate.pass(r, &lg[a * V], V)) continue;      // the chain of row r stops here
       o[run[r] * ld + 1 + (kmax + 1) + j] = dj;
       prev[r] = dj;

@@ -91,7 +91,8 @@ def engine_info(cfg: LLMConfig, model: Any) -> dict:
             "draft_len_policy": spec.draft_len_policy,
             "draft_confidence_threshold": spec.draft_confidence_threshold,
             "draft_len_schedule": spec.draft_len_schedule, "acceptance_window": spec.acceptance_window,
-            "acceptance_length_threshold": spec.acceptance_length_threshold},
+            "acceptance_length_threshold": spec.acceptance_length_threshold,
+            "draft_token_map": spec.draft_token_map},
     }
 
 
@@ -200,6 +201,8 @@ def _decoding_section(r: dict, d: dict) -> str:
     per_pos = ", ".join(f"{x:.3f}" for x in d["acceptance_per_position"]) or "-"
     return _section(f"DECODING STATISTICS ({d['mode']})", [
         *([("DRAFT ACCEPTANCE", r["replay_acceptance"]["label"])] if r.get("replay_acceptance") else []),
+        *([("Draft vocabulary (token map)", m)] if (m := (r["engine"].get("speculative_config") or {}).get(
+            "draft_token_map")) else []),
         ("Max draft length (K)", d["max_draft_len"]), ("Decoding steps", d["num_decoding_steps"]),
         ("Drafts proposed", d["num_draft_tokens"]), ("Drafts accepted", d["num_accepted_draft_tokens"]),
         ("Draft acceptance rate", d["draft_acceptance_rate"]), ("Acceptance length (AL)", d["acceptance_length"]),

@@ -121,6 +121,15 @@ class SpeculativeConfig:
                     "The AL threshold of --spec_decode_acceptance_window.",
                     "AL threshold of the acceptance window."),))
 
+    draft_token_map: Optional[str] = opt(
+        None, "A JSON list of token ids (`mtp token-map` writes one): MTP drafts are scored over these ids only, so "
+              "a draft's LM head reads their rows instead of the whole vocabulary's; verification still scores "
+              "every id, so output is unchanged and only acceptance can drop (docs/adaptive.md).",
+        ok=lambda v: v is None or (isinstance(v, str) and bool(v)), allowed="a path to a JSON file of token ids",
+        message="{who} must be a path to a JSON list of token ids (from `mtp token-map`), got {value!r}",
+        flags=(Flag("--spec_decode_token_map", brief="JSON list of the token ids MTP drafts are scored over.",
+                    type=Optional[str], to_field=lambda text: text or None),))
+
     @property
     def max_draft_len(self) -> int:
         return self.num_nextn_predict_layers

@@ -40,6 +40,7 @@ from mtp_core.request.stats import SpecStats
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import backlog
 from mtp_core.speculative.adaptive import DraftLimits
+from mtp_core.speculative.draft_vocab import load_token_map
 from mtp_core.speculative.drafter import DraftInput, Drafter, make_drafter
 from mtp_core.native.forward_path import serving_forward
 from mtp_core.speculative.policy import DraftLenPolicy
@@ -131,7 +132,11 @@ class Engine:
         if spec and spec.use_relaxed_acceptance_for_thinking and think_ids is None:
             raise ValueError("relaxed acceptance for thinking needs <think> and </think> tokens, but the tokenizer "
                              "has neither; drop --use_relaxed_acceptance_for_thinking")
-        forward_path = serving_forward(model)          # native or torch, for every eager forward of this engine
+        # native or torch, for every eager forward of this engine (drafts scored over the draft vocabulary when
+        # the config names one: speculative/draft_vocab.py)
+        draft_vocab = load_token_map(spec.draft_token_map, model.config.vocab_size) \
+            if draft_len and spec.draft_token_map else None
+        forward_path = serving_forward(model, draft_vocab)
         kv = cfg.kv_cache_config
         device = cfg.device
         # the KV cache in the model's dtype, or e4m3 (kv_cache_config.dtype fp8: per-tensor scale 1, see

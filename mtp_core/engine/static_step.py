@@ -51,7 +51,7 @@ from mtp_core.engine.native_step import NativeStep
 from mtp_core.engine.scheduler import ScheduledRow
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
-from mtp_core.model.forward_path import ForwardPath
+from mtp_core.model.forward_path import ForwardPath, draft_tokens
 from mtp_core.native.native_decode import NativeDecoder
 from mtp_core.speculative import backlog
 from mtp_core.speculative.verifier import Acceptance, Relaxed, VerifyResult, verify_static
@@ -161,12 +161,12 @@ class StaticDecodeStep:
         # Eagle forward 1 over every position: (x_{q+1}, h_q) entries, the valid ones are q <= start+m
         g = model.mtp_forward(0, emitted.flatten(), hidden, meta, caches).view(self.B, K + 1, -1)
         g = g[i.rows, m]                                                        # [B, H] at q = start+m
-        d = self.head.logits(g).argmax(-1)
+        d = draft_tokens(self.head, self.head.draft_logits(g))
         o.drafts[:, 0].copy_(d)
         for j in range(1, K):
             pos = (i.start + m + j)[:, None]                                    # [B, 1]
             g = model.mtp_forward(0, d, g, self._meta(pos), caches)
-            d = self.head.logits(g).argmax(-1)
+            d = draft_tokens(self.head, self.head.draft_logits(g))
             o.drafts[:, j].copy_(d)
 
     # ---- host side ---------------------------------------------------------------------------

@@ -7,15 +7,19 @@ head), and the model's own torch path:
           batch-invariant, where the model allows it. Which of the two an engine takes is chosen once per engine
           and logged by mtp_core/native/forward_path.py (`serving_forward`), above both.
 
-Both offer the same three calls, so the runner, the drafters and the benches never ask which one they hold.
+Both offer the same calls, so the runner, the drafters and the benches never ask which one they hold. An engine
+given a draft vocabulary (speculative_config.draft_token_map: speculative/draft_vocab.py) scores its MTP drafts
+with `draft_logits`, the LM head's rows of those ids only; `draft_tokens` maps the columns back to token ids.
 The static (CUDA-graph) step is the third way a step can run: `GraphRunner` runs the torch modules over
 device-only metadata (`AttentionMetadata.uniform`, every MoE dense) and the engine's LM head.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Optional, Protocol
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from mtp_core.model.attention_metadata import AttentionMetadata
 from mtp_core.model.deepseek_v3 import DeepseekV3ForCausalLM
@@ -34,14 +38,39 @@ class ForwardPath(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
 
+    # the token id of each column of draft_logits (ascending), None when drafts are scored over every id
+    draft_ids: Optional[torch.Tensor]
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, H] -> float32 logits of the drafts' head [R, len(draft_ids)] (logits() without a draft
+        vocabulary)."""
+
+
+def draft_tokens(path: ForwardPath, logits: torch.Tensor) -> torch.Tensor:
+    """The greedy drafts of draft_logits' rows, as token ids (the first column on ties, as torch's argmax)."""
+    d = logits.argmax(-1)
+    return d if path.draft_ids is None else path.draft_ids[d]
+
+
+def draft_head_rows(model: DeepseekV3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """The LM head's rows of `ids` [n, H], in their order: a copy of n rows (the target keeps the whole head)."""
+    head = model.lm_head
+    if type(head) is not nn.Linear or head.weight.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"speculative_config.draft_token_map needs the LM head as one bf16/fp32 matrix, but this "
+                         f"model's is a {type(head).__name__} ({head.weight.dtype}); drop the token map")
+    return head.weight.detach()[ids.to(head.weight.device)].contiguous()
+
 
 class TorchForward:
     """The model's torch modules."""
 
     name = "torch"
 
-    def __init__(self, model: DeepseekV3ForCausalLM) -> None:
+    def __init__(self, model: DeepseekV3ForCausalLM, draft_vocab: Optional[torch.Tensor] = None) -> None:
         self.model = model
+        dev = model.lm_head.weight.device
+        self.draft_ids = None if draft_vocab is None else draft_vocab.to(dev)
+        self.draft_head = None if draft_vocab is None else draft_head_rows(model, draft_vocab)
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]) -> torch.Tensor:
         return self.model(ids, meta, caches)
@@ -52,4 +81,9 @@ class TorchForward:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.draft_head is None:
+            return self.logits(hidden)
+        return F.linear(hidden.to(self.draft_head.dtype), self.draft_head).float()
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+import torch
+
 from mtp_core.model.deepseek_v3 import DeepseekV3ForCausalLM
 from mtp_core.model.forward_path import ForwardPath, TorchForward
 from mtp_core.native.native_decode import NativeDecoder
@@ -33,10 +35,18 @@ def prepare_decode(model: DeepseekV3ForCausalLM) -> Optional[NativeDecoder]:
     return model.native
 
 
-def serving_forward(model: DeepseekV3ForCausalLM) -> ForwardPath:
+def serving_forward(model: DeepseekV3ForCausalLM, draft_vocab: Optional[torch.Tensor] = None) -> ForwardPath:
     """The path an engine over `model` takes: the model's native decoder where it has one (prepared once per
-    model by prepare_decode, which logs why not otherwise), else its torch modules."""
+    model by prepare_decode, which logs why not otherwise), else its torch modules. draft_vocab (int64 ids,
+    ascending): this engine's drafts are scored over those ids only (its own copy of the decoder, sharing the
+    model's weights, or of the torch path)."""
     native = prepare_decode(model)
-    path: ForwardPath = native if native is not None else TorchForward(model)
-    log.info("engine forward path: %s", path.name)
+    path: ForwardPath
+    if native is not None:
+        path = native if draft_vocab is None else native.with_draft_vocab(model, draft_vocab)
+    else:
+        path = TorchForward(model, draft_vocab)
+    vocab = "" if draft_vocab is None else \
+        f"; MTP drafts over {len(draft_vocab)} of {model.config.vocab_size} ids (draft_token_map)"
+    log.info("engine forward path: %s%s", path.name, vocab)
     return path

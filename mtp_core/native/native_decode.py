@@ -13,7 +13,7 @@ however its prompt was chunked. References: the model's torch path and kernels/n
 from __future__ import annotations
 
 import array
-
+import copy
 import logging
 from typing import Any, Callable, Optional
 
@@ -26,7 +26,7 @@ from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
 from mtp_core.model.attention_metadata import AttentionMetadata
 from mtp_core.model.layers import MLP
 from mtp_core.model.moe import MoE
-from mtp_core.native.native_weights import NativeWeights, build_native_weights, choose_layout
+from mtp_core.native.native_weights import NativeWeights, build_native_weights, choose_layout, draft_head
 
 log = logging.getLogger("mtp.model")
 
@@ -43,6 +43,7 @@ def direct_op(packet: Any) -> Callable:
 
 class NativeDecoder:
     name = "native"
+    draft_ids: Optional[torch.Tensor] = None    # the draft vocabulary (with_draft_vocab), None = every id
 
     def __init__(self, model: nn.Module, weights: NativeWeights, max_tokens: int = MAX_TOKENS) -> None:
         self.rope = model.rope
@@ -106,6 +107,17 @@ class NativeDecoder:
                  torch.get_num_threads(), dec.handle.summary(), dec.weights.formats())
         return dec
 
+    def with_draft_vocab(self, model: nn.Module, ids: torch.Tensor) -> "NativeDecoder":
+        """A decoder for one engine whose MTP drafts are scored over the draft vocabulary `ids` (int64, ascending):
+        the same weights, read in place, plus a copy of the LM head's rows of `ids` that the native chains and
+        draft_logits read instead of the whole head (speculative/draft_vocab.py)."""
+        dec = copy.copy(self)
+        tensors, ints, floats = self.weights.dictionaries()
+        draft_head(model, ids, self.weights.layout).entries("draft_head", tensors, ints, floats)
+        tensors["draft_ids"] = dec.draft_ids = ids.to(torch.long).contiguous()
+        dec.handle = torch.classes.mtp_core.DecodeWeights(tensors, ints, floats)
+        return dec
+
     def grow_rope(self, n: int) -> None:
         cos, sin = self.rope.cos_sin(torch.arange(n))
         self.rope_cos, self.rope_sin, self.rope_len = cos.float().contiguous(), sin.float().contiguous(), n
@@ -156,7 +168,10 @@ class NativeDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
-        return self.logits_op(self.handle, flat).view(*hidden.shape[:-1], self.vocab)
+        return self.logits_op(self.handle, flat, False).view(*hidden.shape[:-1], self.vocab)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.logits_op(self.handle, hidden.reshape(-1, hidden.shape[-1]), True)
 
 
 def padded_tables(tables: list[list[int]]) -> torch.Tensor:

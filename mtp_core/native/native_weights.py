@@ -35,6 +35,7 @@ from mtp_core.kernels.mat import BF16, COLS, F32, FP8, NVFP4, PAIRS, PANEL, ROWS
 from mtp_core.loader.quant.fp8 import dequantize_fp8_block
 from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
 from mtp_core.loader.quant.nvfp4 import dequantize_nvfp4
+from mtp_core.model.forward_path import draft_head_rows
 from mtp_core.model.layers import MLP
 from mtp_core.model.moe import MoE
 
@@ -383,3 +384,11 @@ def build_native_weights(model: nn.Module, layout: str) -> NativeWeights:
     lm_head = panel(head.weight, pairs) if pack else rows_of(head)
     return NativeWeights(layout, dims, params, _c(model.model.embed_tokens.weight), _c(model.model.norm.weight),
                          lm_head, [_layer(layer, pack, pairs) for layer in model.model.layers])
+
+
+def draft_head(model: nn.Module, ids: torch.Tensor, layout: str) -> Matrix:
+    """The drafts' LM head over a draft vocabulary (the lm_head rows of `ids`, a copy) in the model's layout."""
+    w = draft_head_rows(model, ids)
+    if layout == "packed":
+        return panel(w, kernels.cpu_bf16_dot())
+    return Matrix(ROWS, _fmt_of(w), w.shape[0], w.shape[1], w)

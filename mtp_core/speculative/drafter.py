@@ -23,7 +23,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
-from mtp_core.model.forward_path import ForwardPath
+from mtp_core.model.forward_path import ForwardPath, draft_tokens
 from mtp_core.native.native_decode import NativeDecoder
 from mtp_core.request.sequence import Sequence
 
@@ -71,12 +71,14 @@ class _MTPRunner:
 
     def draft(self, out_last: torch.Tensor, with_prob: bool) -> tuple[list[int], Optional[list[float]]]:
         """[R, H] -> (greedy draft token per row (drafts are always greedy), with_prob: the MTP head's
-        probability of it)."""
-        logits = self.path.logits(out_last)
+        probability of it). Scored over the path's draft vocabulary where it has one (its probabilities then
+        normalised over those ids)."""
+        logits = self.path.draft_logits(out_last)
         if not with_prob:
-            return logits.argmax(-1).tolist(), None
+            return draft_tokens(self.path, logits).tolist(), None
         p, d = torch.softmax(logits.float(), dim=-1).max(-1)
-        return d.tolist(), p.tolist()
+        ids = self.path.draft_ids
+        return (d if ids is None else ids[d]).tolist(), p.tolist()
 
 
 def _last_rows(out: torch.Tensor, positions: list[list[int]], active: list[int]) -> torch.Tensor:
