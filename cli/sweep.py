@@ -24,6 +24,7 @@ from mtp_core.config.schema import Flag
 DEFAULT_PLOT = Path("mtp_sweep.png")
 DEFAULT_CONFIDENCE = 0.3   # derived from measured step costs and the MTP head's calibration: docs/adaptive.md
 RELAXED_OWN = ("relaxed_topk", "relaxed_delta")   # the sweep's relaxed row (the engine flags with its defaults)
+ROW_OWN = (*RELAXED_OWN, "spec_decode_token_map")  # settings of the MTP rows, not of the loading config
 
 # the sweep's own options; its engine flags are the schema's, in their brief form (cli/options.py)
 OWN = {flag.key: flag for flag in (
@@ -49,6 +50,8 @@ OWN = {flag.key: flag for flag in (
          default=None),
     Flag("--adaptive_window", "Adaptive rows: acceptance_window (0 = off).", type=int, default=0),
     Flag("--adaptive_window_threshold", "Adaptive rows: acceptance_length_threshold.", type=float, default=0.0),
+    Flag("--spec_decode_token_map", "A draft vocabulary for every MTP row: the JSON list of token ids their drafts "
+         "are scored over (mtp token-map; docs/adaptive.md).", type=Optional[str], default=None),
     Flag("--concurrency", "Requests in flight (1 = min-latency mode).", type=int, default=1),
     Flag("--warmup", "Requests run before measuring each setting.", type=int, default=1),
     Flag("--plot", "Figure 7 PNG (figure 8 goes beside it as *_accuracy.png).", type=Path, default=DEFAULT_PLOT),
@@ -67,10 +70,11 @@ OWN = {flag.key: flag for flag in (
 }
 FLAGS = ("model_dir", "dataset", "task_set", "num_requests", "output_tokens", "max_nextn", "modes", "relaxed_nextn",
          "relaxed_topk", "relaxed_delta", "relaxed_mode", "policy_nextn", "adaptive_nextn", "adaptive_confidence",
-         "adaptive_schedule", "adaptive_window", "adaptive_window_threshold", "concurrency", "warmup", "ignore_eos",
-         "dtype", "max_num_tokens", "max_seq_len", "kv_cache_fraction", "extra_llm_api_options", "num_threads",
-         "plot", "no_plot", "roofline", "bandwidth_mib", "accuracy", "accuracy_per_family", "accuracy_max_tokens",
-         "accuracy_concurrency", "peers", "prompt_lookup_num_tokens", "report_json", "log_level")
+         "adaptive_schedule", "adaptive_window", "adaptive_window_threshold", "spec_decode_token_map", "concurrency",
+         "warmup", "ignore_eos", "dtype", "max_num_tokens", "max_seq_len", "kv_cache_fraction",
+         "extra_llm_api_options", "num_threads", "plot", "no_plot", "roofline", "bandwidth_mib", "accuracy",
+         "accuracy_per_family", "accuracy_max_tokens", "accuracy_concurrency", "peers", "prompt_lookup_num_tokens",
+         "report_json", "log_level")
 
 
 def sweep_command(ctx: typer.Context, **flags: Any) -> None:
@@ -178,8 +182,8 @@ def _load(ctx: typer.Context, p: dict[str, Any]) -> _Loaded:
     from mtp_core.bench import sweep as sw
     from mtp_core.llm import LLM
 
-    cfg = llm_config({k: v for k, v in ctx.params.items() if k not in RELAXED_OWN},
-                     {k: v for k, v in explicit_params(ctx).items() if k not in RELAXED_OWN},
+    cfg = llm_config({k: v for k, v in ctx.params.items() if k not in ROW_OWN},
+                     {k: v for k, v in explicit_params(ctx).items() if k not in ROW_OWN},
                      max(p["concurrency"], p["accuracy_concurrency"] if p["accuracy"] else 1, 1))
     llm = LLM(cfg)
     model, tok = llm.model, llm.tokenizer
@@ -213,7 +217,8 @@ def _settings(p: dict[str, Any], num_modules: int) -> list:
                                       adaptive_confidence=c, adaptive_schedule=schedule,
                                       adaptive_window=p["adaptive_window"],
                                       adaptive_window_threshold=p["adaptive_window_threshold"])[1:]
-    return settings
+    token_map = p["spec_decode_token_map"]
+    return [dataclasses.replace(s, token_map=token_map) if s.K and token_map else s for s in settings]
 
 
 def _measure(run: _Loaded, settings: list, prompts: list[list[int]], outs: list[int], ds: dict,

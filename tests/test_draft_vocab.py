@@ -278,3 +278,17 @@ def test_the_confidence_gate_over_a_map_stops_where_the_eager_drafter_does(model
     assert eng.paths.native_step.num_replays > 0 and runs[0] == runs[1]
     assert {d for step in runs[1][0] for row in step for d in row} <= ids
     assert len({len(row) for step in runs[1][0] for row in step}) > 1, "the gate never stopped a chain"
+
+
+def test_the_sweep_gives_its_map_to_every_mtp_row(tiny3_dir, tmp_path) -> None:
+    """`mtp sweep --spec_decode_token_map`: every MTP row drafts over the map (its row says so, and a map of one
+    id that the target never emits here accepts nothing), nextn=0 has none."""
+    one = write_map(tmp_path, [3])
+    r = mtp("sweep", "--model_dir", str(tiny3_dir), "--max_nextn", "2", "--modes", "eagle", "--num_requests", "2",
+            "--output_tokens", "8", "--no_plot", "--no_roofline", "--policy_nextn", "0", "--relaxed_nextn", "0",
+            "--adaptive_nextn", "0",
+            "--spec_decode_token_map", one, "--report_json", str(tmp_path / "s.json"))
+    assert r.returncode == 0, r.stderr
+    rows = json.loads((tmp_path / "s.json").read_text())["settings"]
+    assert [(x["K"], x["draft_token_map"]) for x in rows] == [(0, None), (1, one), (2, one)]
+    assert all(x["acceptance_length"] == 1.0 for x in rows)

@@ -33,6 +33,7 @@ class Setting:
     schedule: Optional[tuple[tuple[int, int], ...]] = None
     window: int = 0
     window_threshold: float = 0.0
+    token_map: Optional[str] = None   # speculative_config.draft_token_map of every MTP row (None: every id)
 
     @property
     def label(self) -> str:
@@ -108,7 +109,7 @@ def setting_config(base: LLMConfig, s: Setting) -> LLMConfig:
         relaxed_topk=s.relaxed_topk, relaxed_delta=s.relaxed_delta, draft_len_policy=s.policy,
         draft_confidence_threshold=s.confidence,
         draft_len_schedule=dict(s.schedule) if s.schedule else None, acceptance_window=s.window,
-        acceptance_length_threshold=s.window_threshold)
+        acceptance_length_threshold=s.window_threshold, draft_token_map=s.token_map)
     cfg = replace(base, speculative_config=spec)
     cfg.validate()
     return cfg
@@ -172,7 +173,7 @@ def summary_row(s: Setting, records: list[RequestRecord]) -> dict:
     dec = summarize_decoding(records, s.K, s.label)
     return {
         "label": s.label, "mode": s.mode, "K": s.K, "relaxed": s.relaxed, "adaptive": s.adaptive,
-        "policy": s.policy if s.K else None,
+        "policy": s.policy if s.K else None, "draft_token_map": s.token_map,
         "mean_drafts_per_step": dec["mean_drafts_per_step"], "drafts_per_step_histogram": dec["drafts_per_step_histogram"],
         "chosen_drafts_histogram": dec["draft_limit_histogram"],
         "waste_verified_per_accepted": dec["waste_verified_per_accepted"],
