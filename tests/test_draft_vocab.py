@@ -104,6 +104,11 @@ ROUTES = [pytest.param(dict(native_step=True), id="native-step"),
           pytest.param(dict(native_step=False, env={"MTP_CORE_NATIVE_DECODE": "0"}), id="torch")]
 
 
+def skip_without_native(route: dict) -> None:
+    if "env" not in route and not kernels.native_ops().cpu:       # the native routes need the native ops
+        pytest.skip(kernels.native_ops().summary)
+
+
 def engine_with(model, monkeypatch, route: dict, map_path: str | None, **kw):
     for k, v in route.get("env", {}).items():
         monkeypatch.setenv(k, v)
@@ -122,9 +127,7 @@ def engine_with(model, monkeypatch, route: dict, map_path: str | None, **kw):
 def test_drafts_over_a_map_are_lossless_and_inside_it(models, tmp_path, monkeypatch, route, ckpt, K, mode) -> None:
     """Batches of up to 4 rows finishing at different times: greedy output equals greedy without MTP; every
     draft of every step is an id of the map; the map changes what is drafted (drafts outside it are gone)."""
-    if route.get("native_step") or "env" not in route:
-        if not kernels.native_ops().cpu:
-            pytest.skip(kernels.native_ops().summary)
+    skip_without_native(route)
     model = models[ckpt]
     path, ids = a_map(model, tmp_path)
     prompts = PROMPTS[:6]
@@ -144,9 +147,7 @@ def test_drafts_over_a_map_are_lossless_and_inside_it(models, tmp_path, monkeypa
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("mode", ["eagle", "vanilla"])
 def test_a_map_of_the_whole_vocabulary_drafts_what_no_map_does(models, tmp_path, monkeypatch, route, mode) -> None:
-    if route.get("native_step") or "env" not in route:
-        if not kernels.native_ops().cpu:
-            pytest.skip(kernels.native_ops().summary)
+    skip_without_native(route)
     model = models["tiny3"]
     everything = write_map(tmp_path, reversed(range(model.config.vocab_size)))
     prompts = PROMPTS[:5]
