@@ -50,8 +50,7 @@ OWN = {flag.key: flag for flag in (
          default=None),
     Flag("--adaptive_window", "Adaptive rows: acceptance_window (0 = off).", type=int, default=0),
     Flag("--adaptive_window_threshold", "Adaptive rows: acceptance_length_threshold.", type=float, default=0.0),
-    Flag("--spec_decode_token_map", "A draft vocabulary for every MTP row: the JSON list of token ids their drafts "
-         "are scored over (mtp token-map; docs/adaptive.md).", type=Optional[str], default=None),
+    dataclasses.replace(engine_flags()["spec_decode_token_map"].flag, default=None),   # every MTP row's
     Flag("--concurrency", "Requests in flight (1 = min-latency mode).", type=int, default=1),
     Flag("--warmup", "Requests run before measuring each setting.", type=int, default=1),
     Flag("--plot", "Figure 7 PNG (figure 8 goes beside it as *_accuracy.png).", type=Path, default=DEFAULT_PLOT),

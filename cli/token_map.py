@@ -9,6 +9,7 @@ traffic it will serve, and not from the prompts a benchmark then measures (the m
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -34,7 +35,7 @@ def token_map_command(
     def run() -> None:
         from mtp_core.bench.dataset import encode_request, load_dataset
         from mtp_core.config.model import ModelConfig
-        from mtp_core.speculative.draft_vocab import count_tokens, frequent_ids
+        from mtp_core.speculative.draft_vocab import frequent_ids
         from mtp_core.tokenizer import Tokenizer
 
         mdir = model_dir if model_dir is not None else DEFAULT_MODEL_DIR
@@ -53,7 +54,7 @@ def token_map_command(
         if generate:
             sequences += _generate(mdir, prompts, [r.output_tokens for r in requests], num_threads)
             sources.append("the model's greedy continuations (nextn=0)")
-        counts = count_tokens(sequences)
+        counts = Counter(t for s in sequences for t in s)
         ids = frequent_ids(counts, size, vocab)
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(json.dumps({"token_ids": ids, "vocab_size": vocab,
@@ -68,16 +69,12 @@ def token_map_command(
 
 def _generate(mdir: Path, prompts: list[list[int]], output_tokens: list[int],
               num_threads: Optional[int]) -> list[list[int]]:
-    import torch
-
+    from cli.bench import set_threads
     from mtp_core.config import LLMConfig
     from mtp_core.llm import LLM
     from mtp_core.sampling import SamplingParams
 
-    if num_threads is not None:
-        if num_threads < 1:
-            raise ValueError(f"--num_threads must be >= 1, got {num_threads}")
-        torch.set_num_threads(num_threads)
+    set_threads(num_threads)
     llm = LLM(LLMConfig(model_dir=str(mdir)))
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in output_tokens]
     return [o.token_ids for o in llm.generate(prompts, params)]

@@ -161,12 +161,12 @@ class StaticDecodeStep:
         # Eagle forward 1 over every position: (x_{q+1}, h_q) entries, the valid ones are q <= start+m
         g = model.mtp_forward(0, emitted.flatten(), hidden, meta, caches).view(self.B, K + 1, -1)
         g = g[i.rows, m]                                                        # [B, H] at q = start+m
-        d = draft_tokens(self.head, self.head.draft_logits(g))
+        d = draft_tokens(self.head, self.head.draft_logits(g).argmax(-1))
         o.drafts[:, 0].copy_(d)
         for j in range(1, K):
             pos = (i.start + m + j)[:, None]                                    # [B, 1]
             g = model.mtp_forward(0, d, g, self._meta(pos), caches)
-            d = draft_tokens(self.head, self.head.draft_logits(g))
+            d = draft_tokens(self.head, self.head.draft_logits(g).argmax(-1))
             o.drafts[:, j].copy_(d)
 
     # ---- host side ---------------------------------------------------------------------------

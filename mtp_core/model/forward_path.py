@@ -46,10 +46,9 @@ class ForwardPath(Protocol):
         vocabulary)."""
 
 
-def draft_tokens(path: ForwardPath, logits: torch.Tensor) -> torch.Tensor:
-    """The greedy drafts of draft_logits' rows, as token ids (the first column on ties, as torch's argmax)."""
-    d = logits.argmax(-1)
-    return d if path.draft_ids is None else path.draft_ids[d]
+def draft_tokens(path: ForwardPath, columns: torch.Tensor) -> torch.Tensor:
+    """Columns of draft_logits (its argmax: the greedy drafts) as token ids."""
+    return columns if path.draft_ids is None else path.draft_ids[columns]
 
 
 def draft_head_rows(model: DeepseekV3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:

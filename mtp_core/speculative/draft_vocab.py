@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -63,10 +63,3 @@ def frequent_ids(counts: Counter, size: int, vocab_size: int) -> list[int]:
         seen = set(ranked)
         ranked += [i for i in range(vocab_size) if i not in seen][:size - len(ranked)]
     return ranked
-
-
-def count_tokens(sequences: Iterable[list[int]]) -> Counter:
-    c: Counter = Counter()
-    for s in sequences:
-        c.update(s)
-    return c

@@ -75,10 +75,9 @@ class _MTPRunner:
         normalised over those ids)."""
         logits = self.path.draft_logits(out_last)
         if not with_prob:
-            return draft_tokens(self.path, logits).tolist(), None
+            return draft_tokens(self.path, logits.argmax(-1)).tolist(), None
         p, d = torch.softmax(logits.float(), dim=-1).max(-1)
-        ids = self.path.draft_ids
-        return (d if ids is None else ids[d]).tolist(), p.tolist()
+        return draft_tokens(self.path, d).tolist(), p.tolist()
 
 
 def _last_rows(out: torch.Tensor, positions: list[list[int]], active: list[int]) -> torch.Tensor:
