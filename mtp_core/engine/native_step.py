@@ -130,7 +130,7 @@ class NativeStep:
 
     def _stored(self, mtp: MTPState) -> int:
         """Positions before the row's valid length whose main hidden states the engine keeps (window, pending)."""
-        n = sum(len(h) for h in mtp.pending) if mtp.pending else 0
+        n = backlog.held_len(mtp)
         if self.vanilla and mtp.window_hidden is not None:
             n += len(mtp.window_hidden)
         return n
@@ -149,7 +149,7 @@ class NativeStep:
                 continue
             ids.extend(r.seq.all_ids[r.start - w + 1: r.start + 1])
             parts = ([mtp.window_hidden] if self.vanilla and mtp.window_hidden is not None else []) + \
-                (mtp.pending or [])
+                backlog.held_states(mtp)
             states = torch.cat(parts) if len(parts) > 1 else parts[0]
             hid.append(states[len(states) - w:])
         hidden = (torch.cat(hid) if len(hid) > 1 else hid[0]).float().contiguous() if hid else \
@@ -164,11 +164,8 @@ class NativeStep:
         if not self.draft_len:
             return
         views_ok = hidden.shape[0] == len(rows)
-        if views_ok and not any(limits):     # no row drafted, each fed one token: each holds its row of hidden
-            for b, r in enumerate(rows):
-                mtp = r.seq.mtp
-                if not mtp.is_off:
-                    backlog.hold(mtp, hidden[b:b + 1], r.start + 1, copy=False)
+        if views_ok and not any(limits):     # no row drafted, each fed one token: each refers to its row of hidden
+            backlog.hold_rows([r.seq.mtp for r in rows], hidden, [r.start for r in rows])
             return
         K, first = self.draft_len, 0                 # first: the row's first position in hidden [T, H]
         for b, (r, row, n) in enumerate(zip(rows, out, limits)):

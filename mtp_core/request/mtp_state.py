@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -14,7 +14,9 @@ class MTPState:
     window_hidden: Optional[torch.Tensor] = None   # Vanilla: the last K valid positions' main hidden [<=K, H]
     # the backlog of a row that skips drafting (speculative/backlog.py; the static steps keep it up to date)
     num_valid: int = 0           # positions 0..num_valid-1 hold valid MTP-cache entries (<= seq.kv.num_cached)
-    pending: Optional[list[torch.Tensor]] = None   # main hidden states, positions num_valid..num_cached-1
+    # main hidden states of positions num_valid..num_cached-1: [n, H] tensors or (a step's [B, H], row b) references
+    # (backlog.held_states reads them)
+    pending: Optional[list[Union[torch.Tensor, tuple[torch.Tensor, int]]]] = None
     is_off: bool = False         # drafting off for good (the lag outgrew backlog.MAX_MTP_LAG)
     # the acceptance window (adaptive.DraftLimits)
     accept_window: list[int] = field(default_factory=list)   # AL of the last decode steps that drafted

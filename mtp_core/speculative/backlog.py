@@ -16,7 +16,7 @@ step emits x13 (new hidden [h12]) and the policy gives the row drafts again: for
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -24,6 +24,34 @@ from mtp_core.request.mtp_state import MTPState
 from mtp_core.speculative.drafter import DraftInput, Drafter
 
 MAX_MTP_LAG = 2048          # positions of main hidden states a row that skips drafting may keep
+
+Held = Union[torch.Tensor, tuple[torch.Tensor, int]]   # states [n, H], or (a step's states [B, H], row b): row b's one
+
+
+def held_states(mtp: MTPState) -> list[torch.Tensor]:
+    """The row's kept main hidden states, oldest first, as [n, H] tensors (a row reference becomes its row)."""
+    return [h if isinstance(h, torch.Tensor) else h[0][h[1]:h[1] + 1] for h in mtp.pending or ()]
+
+
+def held_len(mtp: MTPState) -> int:
+    """Positions of main hidden states the row keeps."""
+    return sum(len(h) if isinstance(h, torch.Tensor) else 1 for h in mtp.pending) if mtp.pending else 0
+
+
+def hold_rows(mtps: list[MTPState], hidden: torch.Tensor, starts: list[int]) -> None:
+    """A step in which no row drafted and row b fed one token (hidden [B, H]): each row that keeps states keeps a
+    reference to its row of `hidden` (its new valid length starts[b] + 1), not a view: a view is a tensor object
+    per row and step (~1 us each), a reference a tuple. Like `hold` without copy, the step's states stay alive
+    while a row refers to them."""
+    for b, mtp in enumerate(mtps):
+        if mtp.is_off:
+            continue
+        if mtp.pending is None:
+            mtp.pending = [(hidden, b)]
+        else:
+            mtp.pending.append((hidden, b))
+        if starts[b] + 1 - mtp.num_valid > MAX_MTP_LAG:
+            mtp.is_off, mtp.pending = True, None
 
 
 def hold(mtp: MTPState, hidden: torch.Tensor, valid: int, copy: bool) -> None:
@@ -82,7 +110,7 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_pr
         if mtp.pending and mtp.num_valid < inp.start:
             # the MTP caches lag (drafting skipped in earlier steps): cover the missing positions too
             end = inp.start + len(inp.next_tokens)
-            inp.hidden = torch.cat([*mtp.pending, inp.hidden])
+            inp.hidden = torch.cat([*held_states(mtp), inp.hidden])
             inp.start, inp.next_tokens = mtp.num_valid, inp.seq.all_ids[mtp.num_valid + 1: end + 1]
         inp.max_drafts = limit
         run.append(n)

@@ -131,8 +131,9 @@ class StepCosts:
         if cells[k] is None:
             cells[k] = _Cell()
         cells[k].add(seconds / batch_size)
-        for x in [x for x in self._cache if x == b or x not in self.target]:   # b, and buckets that borrow
-            del self._cache[x]
+        if self._cache:                   # b, and buckets that borrow, are estimated again when next read
+            for x in [x for x in self._cache if x == b or x not in self.target]:
+                del self._cache[x]
 
     def add_target(self, batch_size: int, k: int, seconds: float) -> None:
         self._add(self.target, batch_size, k, seconds)
@@ -226,7 +227,10 @@ class StepTimer:
     def record_step(self, rows: Sequence[Any], t0: float, t1: float, t2: float) -> None:
         """rows: the step's scheduled rows; t0 its start, t1 after commit (target part done), t2 its end
         (drafting for the next step done)."""
-        num_prefill = sum(1 for r in rows if r.is_prefill)
+        num_prefill, lens = 0, set()              # one pass over the rows
+        for r in rows:
+            num_prefill += r.is_prefill
+            lens.add(len(r.token_ids))
         decode = bool(rows) and not num_prefill
         if rows and num_prefill == len(rows) and self.warmup < WARMUP_STEPS:
             # a prompt's forward per token (after the first decode step: the first prefill runs cold), the prior
@@ -234,7 +238,6 @@ class StepTimer:
             self.costs.add_prefill((t1 - t0) / sum(len(r.token_ids) for r in rows))
         verified = None
         if decode:
-            lens = {len(r.token_ids) for r in rows}
             if len(lens) == 1:
                 verified = lens.pop() - 1
             else:
