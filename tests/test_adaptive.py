@@ -190,6 +190,25 @@ def test_settle_is_the_one_update_of_the_mtp_state_after_a_step():
     assert (off.num_valid, off.pending) == (4, None)
 
 
+def test_rows_that_skip_drafting_refer_to_their_row_of_the_step(monkeypatch):
+    """backlog.hold_rows (a step in which no row drafted, one token per row): each row keeps a reference to its row
+    of the step's states, read back by held_states / held_len in order with states held as tensors; rows with
+    drafting off keep nothing; a lag past MAX_MTP_LAG switches drafting off."""
+    monkeypatch.setattr(backlog, "MAX_MTP_LAG", 4)
+    a, b, off = MTPState(num_valid=5), MTPState(num_valid=1), MTPState(num_valid=3, is_off=True)
+    backlog.hold(a, torch.full((2, 4), 7.0), 7, copy=True)          # positions 5, 6 as a tensor
+    step1, step2 = torch.arange(12.0).view(3, 4), torch.arange(12.0, 24.0).view(3, 4)
+    backlog.hold_rows([a, b, off], step1, [7, 4, 9])                # each fed position start -> valid start + 1
+    assert backlog.held_len(a) == 3 and backlog.held_len(b) == 1 and off.pending is None
+    states = backlog.held_states(a)
+    assert [tuple(t.shape) for t in states] == [(2, 4), (1, 4)]
+    assert torch.equal(states[0], torch.full((2, 4), 7.0)) and torch.equal(states[1], step1[0:1])
+    assert torch.equal(backlog.held_states(b)[0], step1[1:2])
+    backlog.hold_rows([a, b], step2, [8, 5])                        # b: valid 6, 5 past num_valid 1: off
+    assert torch.equal(torch.cat(backlog.held_states(a)), torch.cat([torch.full((2, 4), 7.0), step1[:1], step2[:1]]))
+    assert b.is_off and b.pending is None and backlog.held_len(b) == 0
+
+
 # ---- policy rules ----------------------------------------------------------------------------
 
 class _Seq:
