@@ -228,7 +228,8 @@ def test_native_step_lets_rows_without_drafts_lag_and_catches_them_up(models) ->
         run = eng.paths.native_step.run
 
         def recording(rows, run=run):
-            lagged.append(sum(1 for r in rows if r.seq.mtp.num_valid < r.start and eng.paths.native_step._limit(r)))
+            limits = eng.paths.native_step._limits_of(rows)
+            lagged.append(sum(1 for r, n in zip(rows, limits) if r.seq.mtp.num_valid < r.start and n))
             return run(rows)
         eng.paths.native_step.run = recording
         seqs = [eng.add_request(p, greedy(MAX_TOKENS)) for p in prompts]

@@ -77,10 +77,11 @@ class NativeStep:
         MTP forwards re-read (lagging positions; Vanilla's window), else None."""
         if not self.can_verify(rows):
             return None
-        limits = [self._limit(r) for r in rows]
-        for r, n in zip(rows, limits):
-            if n and self._window_len(r) > self._stored(r.seq.mtp):
-                return None
+        limits = self._limits_of(rows)
+        if any(limits):
+            for r, n in zip(rows, limits):
+                if n and self._window_len(r) > self._stored(r.seq.mtp):
+                    return None
         self._limits = (rows, limits)
         return self
 
@@ -106,7 +107,7 @@ class NativeStep:
         # (it changes counts rarely; a row it raises gets its new count one step late), so that a step whose
         # rows draft less does not compute the chain it would throw away
         cached, self._limits = self._limits, None
-        limits = cached[1] if cached is not None and cached[0] is rows else [self._limit(r) for r in rows]
+        limits = cached[1] if cached is not None and cached[0] is rows else self._limits_of(rows)
         out, hidden, windows, logprobs = self._call(rows, limits, self.mtp_layer)
         kmax = max(len(r.token_ids) for r in rows) - 1
         tokens = [row[1:1 + row[0]] for row in out]
@@ -117,10 +118,15 @@ class NativeStep:
         return VerifyResult(tokens, logprobs), drafts
 
     # ---- the rows' MTP state ---------------------------------------------------------------
-    def _limit(self, r: ScheduledRow) -> int:
-        if not self.draft_len or r.seq.mtp.is_off:
-            return 0
-        return self.draft_len if self.fixed_counts else min(self.draft_len, max(0, r.seq.mtp.draft_len))
+    def _limits_of(self, rows: list[ScheduledRow]) -> list[int]:
+        """Each row's drafts for its next step: 0 with drafting off, K under a fixed count, else the policy's count
+        (seq.mtp.draft_len, within 0..K)."""
+        K = self.draft_len
+        if not K:
+            return [0] * len(rows)
+        if self.fixed_counts:
+            return [0 if r.seq.mtp.is_off else K for r in rows]
+        return [0 if r.seq.mtp.is_off else min(K, max(0, r.seq.mtp.draft_len)) for r in rows]
 
     def _window_len(self, r: ScheduledRow) -> int:
         """Stored positions before r.start the row's MTP forwards re-read: the lagging ones, and for Vanilla at

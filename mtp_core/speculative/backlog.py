@@ -2,7 +2,8 @@
 
 A decode row whose draft count is 0 (the policy, the batch-size schedule, a paused acceptance window)
 skips the drafter entirely: its MTP caches lag behind its valid length, and the main model's hidden states
-for the missing positions are kept (`MTPState.pending`). When it drafts again, the drafter's first MTP
+for the missing positions are kept (`MTPState.pending`: tensors, or references to a row of a step's states when
+no row of that step drafted, `hold_rows`; `held_states` reads either). When it drafts again, the drafter's first MTP
 forward covers every lagging position at once (one forward over n tokens, like a prefill chunk), so the
 MTP caches are again equal to a recompute of the accepted prefix. A lag longer than MAX_MTP_LAG positions
 drops the kept states and switches drafting off for that request for good (bounded memory). Every route
