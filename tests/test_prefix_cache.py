@@ -117,6 +117,18 @@ def test_multi_turn_reuses_prompt_and_output(models, ckpt, mode, K):
     assert eng.blocks.stats.reused_tokens - hits_before == len(same) - (K if mode == "vanilla" and K else 1)
 
 
+def test_a_request_that_ends_in_its_prefill_step_shares_its_prompt(models):
+    """max_tokens 1 (a prefill-only request: scoring, classification): the step that finishes it registers the
+    blocks it wrote (before, the engine finished it before counting that step's positions, so nothing was
+    registered and the same prompt was computed again). Without MTP: every full block of the prompt hits."""
+    model = models["tiny1"]
+    eng = make_engine(model, nextn=0, mode="vanilla", tokens_per_block=B, max_batch_size=1)
+    prompt = BASE[:10]
+    drive(eng, model, "vanilla", 0, {0: [(prompt, 1)]})
+    drive(eng, model, "vanilla", 0, {0: [(prompt, 1)]})
+    assert eng.blocks.stats.hit_blocks == len(prompt) // B and eng.blocks.stats.reused_tokens == len(prompt) // B * B
+
+
 @pytest.mark.parametrize("ckpt,mode,K", [("tiny1", "eagle", 2), ("tiny3", "vanilla", 3), ("tiny1", "vanilla", 0)])
 @pytest.mark.parametrize("overlap", [False, True])
 def test_batch_of_eight_arriving_while_the_owner_runs(models, ckpt, mode, K, overlap):

@@ -324,6 +324,8 @@ class Engine:
                 if out is not None and out.prompt_logits is not None and out.prompt_logits[n_row] is not None:
                     seq.score_prompt(r.start, out.prompt_logits[n_row])
                 seq.kv.num_prefilled += len(r.token_ids)
+            # the positions this step wrote: valid before finishing, which registers a request's blocks up to it
+            seq.kv.num_cached = valid = r.start + (len(r.token_ids) if r.is_prefill else len(emitted))
             if emitted:
                 n_emitted = seq.append(emitted, self.stops.eos_token_ids, self.stops.think_ids, self.stops.max_seq_len)
                 if verified.logprobs is not None and verified.logprobs[n_row] is not None:
@@ -337,8 +339,6 @@ class Engine:
                     self.scheduler.finish(seq)
                 if seq.times.first_token_time is None:
                     seq.times.first_token_time = now
-            valid = r.start + (len(r.token_ids) if r.is_prefill else len(emitted))
-            seq.kv.num_cached = valid
             if seq.is_finished:
                 seq.times.finish_time = now
                 continue
