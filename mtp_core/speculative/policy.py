@@ -216,7 +216,7 @@ class CostPolicy(FixedPolicy):
         if kmax == 0:
             self._run_k, self._standing = 0, None
             return _apply(rows, caps)
-        B = sum(1 for r in rows if r.needs_drafts)
+        B = sum(r.needs_drafts for r in rows)
         b = bucket(B)
         log = self.buckets.get(b)
         if log is None:
@@ -382,6 +382,8 @@ class CostPolicy(FixedPolicy):
     # ---- after verification, per row -----------------------------------------------------
     def observe(self, mtp: MTPState, proposed: int, accepted: int, stats: Optional[SpecStats] = None) -> None:
         """The acceptance window, and the acceptance estimates (the request's and the engine-wide one)."""
+        if not proposed and not self.rules.window:     # a row at 0 drafts without the window rule: nothing to learn
+            return
         self.rules.observe(mtp, proposed, accepted, stats)
         if proposed > 0:
             self.acceptance.observe(mtp, proposed, accepted, self.num_steps)
