@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, greedy, make_engine, reference, run_to_end
+from mtp_core.kv_cache.prefix_cache import PrefixRecurrence
 from mtp_core.request.sequence import KVState
 from mtp_core.sampling import SamplingParams
 from mtp_core.speculative import acceptance, costs, policy as pol
@@ -650,15 +651,17 @@ def test_policy_settings(tiny1_dir):
 @pytest.mark.parametrize("ckpt,mode", [("tiny1", "eagle"), ("tiny3", "vanilla")])
 def test_a_deferred_prompt_catches_up_when_its_request_first_drafts(models, ckpt, mode, reuse):
     """While the policy drafts nothing, a new request's prompt skips its MTP forward (the MTP caches lag from
-    the prompt on; with prefix caching on, from its last full block on: the full blocks get their MTP entries so
-    that they can be shared); the first step that drafts for it runs the MTP forward over the whole lag at once.
-    The output is plain greedy's, and after the catch-up every cache equals a dense recompute."""
+    the prompt on; with prefix caching on and prompts seen to share prefixes, from its last full block on: the
+    full blocks get their MTP entries so that they can be shared); the first step that drafts for it runs the
+    MTP forward over the whole lag at once. The output is plain greedy's, and after the catch-up every cache
+    equals a dense recompute."""
     from test_mtp_decoding import _check_caches
 
     model, K, tpb = models[ckpt], 3, 4
     eng = scripted(make_engine(model, nextn=K, mode=mode, tokens_per_block=tpb, block_reuse=reuse,
                                spec=dict(draft_len_policy="cost")),
                    [(0, True)] * 4 + [(3, True)] * 40, defer_prompts=True)
+    eng.scheduler.recurrence.seen = reuse          # (test_prefix_recurrence: what sets it)
     prompts = (PROMPTS[1], PROMPTS[3])
     seqs = [eng.add_request(p, greedy(30)) for p in prompts]
     eng.step()                                               # the prefill: its MTP forward deferred
@@ -679,10 +682,11 @@ def test_a_deferred_prompt_catches_up_when_its_request_first_drafts(models, ckpt
 
 @pytest.mark.parametrize("ckpt,mode", [("tiny1", "eagle"), ("tiny3", "vanilla")])
 def test_a_deferred_prompt_still_shares_its_full_blocks(models, ckpt, mode):
-    """Prefix caching with the cost policy: a request that never drafts (its prompt's MTP forward deferred) still
-    registers its prompt's full blocks, because their MTP entries are written at prefill; a later request sharing
-    the prefix reuses as many blocks as under a policy that never defers, emits plain greedy's tokens, and once it
-    drafts every cache, the reused blocks' MTP entries included, equals a dense recompute."""
+    """Prefix caching with the cost policy, prompts seen to share prefixes: a request that never drafts (its
+    prompt's MTP forward deferred) still registers its prompt's full blocks, because their MTP entries are written
+    at prefill; a later request sharing the prefix reuses as many blocks as under a policy that never defers,
+    emits plain greedy's tokens, and once it drafts every cache, the reused blocks' MTP entries included, equals
+    a dense recompute."""
     from test_mtp_decoding import _check_caches
 
     model, K, tpb = models[ckpt], 3, 4
@@ -693,6 +697,7 @@ def test_a_deferred_prompt_still_shares_its_full_blocks(models, ckpt, mode):
         eng = scripted(make_engine(model, nextn=K, mode=mode, tokens_per_block=tpb, max_batch_size=1,
                                    spec=dict(draft_len_policy="cost")),
                        [(0, True)] * 12 + [(3, True)] * 1000, defer_prompts=defer)
+        eng.scheduler.recurrence.seen = True
         a = eng.add_request(first, greedy(8))
         eng.step()
         if defer:
@@ -711,6 +716,47 @@ def test_a_deferred_prompt_still_shares_its_full_blocks(models, ckpt, mode):
         assert a.output_ids == reference(model, first, 8) and b.output_ids == reference(model, second, 20)
         hits[defer] = (eng.blocks.stats.hit_blocks, eng.blocks.stats.reused_tokens)
     assert hits[True] == hits[False] and hits[True][0] >= 4, hits
+
+
+def test_prefix_recurrence():
+    """PrefixRecurrence: a prompt recurs when its first full block's digest was brought by another request (the
+    same request again, after a preemption, does not count); once seen, it stays seen."""
+    r = PrefixRecurrence()
+    r.note([b"a", b"b"], 1)
+    r.note([b"a"], 1)                 # the same request re-admitted
+    r.note([], 2)                     # no full block
+    r.note([b"c"], 3)
+    assert not r.seen
+    r.note([b"c", b"x"], 4)
+    assert r.seen
+    r.note([b"z"], 5)
+    assert r.seen
+
+
+@pytest.mark.parametrize("ckpt,mode", [("tiny1", "eagle"), ("tiny3", "vanilla")])
+def test_a_deferred_prompt_shares_its_blocks_once_prefixes_recur(models, ckpt, mode):
+    """Under the cost policy with prefix caching, while no prompt has shared a prefix, a deferred prompt runs no
+    MTP forward at all (none of its blocks is registered: nothing would reuse them yet). The second request with
+    the prefix shows that prefixes recur: its own deferred prompt then fills its full blocks' MTP entries, and a
+    third request reuses them. Every output is plain greedy's."""
+    model, K, tpb = models[ckpt], 3, 4
+    prefix = PROMPTS[5][:22]
+    eng = scripted(make_engine(model, nextn=K, mode=mode, tokens_per_block=tpb, max_batch_size=1,
+                               spec=dict(draft_len_policy="cost")), [(0, True)] * 5000, defer_prompts=True)
+    prompts = [prefix + [300, 12, 77], prefix + [150, 151], prefix + [90, 91, 92]]
+    seqs, hits = [], []
+    for p in prompts:
+        seqs.append(eng.add_request(p, greedy(6)))
+        eng.step()
+        if len(seqs) == 1:
+            assert seqs[0].mtp.num_valid == 0 and not eng.scheduler.recurrence.seen
+        while eng.has_unfinished():
+            eng.step()
+        hits.append(eng.blocks.stats.hit_blocks)
+    assert eng.scheduler.recurrence.seen
+    assert hits[0] == hits[1] == 0 and hits[2] >= len(prefix) // tpb - 1, hits
+    for p, s in zip(prompts, seqs):
+        assert s.output_ids == reference(model, p, 6)
 
 
 def test_only_the_cost_policy_defers_prompts():

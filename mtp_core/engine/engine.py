@@ -33,7 +33,7 @@ from mtp_core.engine.static_step import make_static_steps
 from mtp_core.engine.step import FusedRoute, Route, StepOutput
 from mtp_core.kv_cache.block_manager import BlockManager
 from mtp_core.kv_cache.mla_cache import allocate_caches, copy_block, plan_num_blocks
-from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, ReusePolicy
+from mtp_core.kv_cache.prefix_cache import PrefixCacheStats, PrefixRecurrence, ReusePolicy
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
 from mtp_core.request.sequence import Sequence, Stops, Times
 from mtp_core.request.stats import SpecStats
@@ -375,8 +375,11 @@ class Engine:
         # a step of one token per row (every row verified no draft): its output holds only states that rows
         # which skip drafting keep, so they may keep views of it instead of copies
         views_ok = all(not r.is_prefill and len(r.token_ids) == 1 for r in step.rows)
-        # prefix caching shares only blocks whose MTP entries are written: a deferred prompt still fills its full ones
-        shared = self.blocks.tokens_per_block if self.blocks.enable_reuse and self.scheduler.reuse.mtp else 0
+        # prefix caching shares only blocks whose MTP entries are written: once prompts are seen to share prefixes,
+        # a deferred prompt still fills its full ones (scheduler.recurrence)
+        sch = self.scheduler
+        shared = self.blocks.tokens_per_block if self.blocks.enable_reuse and sch.reuse.mtp and sch.recurrence.seen \
+            else 0
         propose = partial(backlog.propose, self.spec.drafter, inputs, views_ok, self.spec.policy.defers_prompts(), shared)
         if self.paths.overlap is not None and any(i.needs_drafts for i in inputs):
             return self.paths.overlap.while_drafting(propose)
@@ -413,9 +416,11 @@ class Engine:
             self.paths.overlap.close()
 
     def reset_prefix_cache(self) -> None:
-        """Drop every unreferenced cached block and zero the hit statistics (e.g. after a warm-up)."""
+        """Drop every unreferenced cached block, zero the hit statistics and forget which prompts were seen (e.g.
+        after a warm-up, whose prompts would otherwise count as recurring: scheduler.recurrence)."""
         self.blocks.clear_cache()
         self.blocks.stats = PrefixCacheStats()
+        self.scheduler.recurrence = PrefixRecurrence()
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from mtp_core.kv_cache.block_manager import BlockManager
-from mtp_core.kv_cache.prefix_cache import PrefixHit, ReusePolicy, extend_digests
+from mtp_core.kv_cache.prefix_cache import PrefixHit, PrefixRecurrence, ReusePolicy, extend_digests
 from mtp_core.request.sequence import Sequence, Status
 from mtp_core.request.stats import SpecStats
 from mtp_core.speculative.policy import DraftLenPolicy
@@ -60,6 +60,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.finished_stats = SpecStats()      # the statistics of every finished request, summed
+        self.recurrence = PrefixRecurrence()    # whether admitted prompts share prefixes (prefix caching on)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -204,6 +205,7 @@ class Scheduler:
         if not self.blocks.enable_reuse:
             return None
         extend_digests(seq.kv.block_digests, seq.all_ids, self.blocks.tokens_per_block)
+        self.recurrence.note(seq.kv.block_digests, seq.request_id)
         return self.blocks.lookup(seq.all_ids, seq.kv.block_digests, self.reuse.mtp, self.reuse.min_chunk)
 
     def settle(self, seq: Sequence, final: bool = False) -> None:

@@ -88,9 +88,9 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_pr
     output holds nothing else worth freeing. defer_prompts (the cost policy): prompt chunks given no drafts hold
     their states too (a request's MTP forward over its prompt waits until it first drafts, and never runs if it
     does not), up to MAX_MTP_LAG / 2 positions (a longer prompt runs it now, so that the request can still draft
-    later). shared_block (prefix caching on: the pool's tokens per block, else 0): a deferred prompt still runs
-    its MTP forward up to its last full block (no drafts), since only blocks whose MTP entries are written can be
-    shared with later requests; the rest of the prompt waits."""
+    later). shared_block (prefix caching on and prompts seen to share prefixes: the pool's tokens per block, else
+    0): a deferred prompt still runs its MTP forward up to its last full block (no drafts), since only blocks
+    whose MTP entries are written can be shared with later requests; the rest of the prompt waits."""
     drafts: list[list[int]] = [[] for _ in inputs]
     run: list[int] = []
     rest: dict[int, tuple[torch.Tensor, int]] = {}   # a deferred prompt's positions past its last full block
