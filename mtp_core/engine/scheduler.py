@@ -84,7 +84,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.is_prefilling or seq not in self.running:
                 continue
-            limit = self.policy.row_limit(seq.mtp, in_flight) if self.draft_len and seq.mtp.draft_len > 0 else 0
+            limit = self.policy.row_limit(seq.mtp, in_flight) if self.draft_len else 0
             drafts = [0] * limit if placeholder else seq.mtp.drafts[:limit]
             if budget < len(drafts) + 1:
                 break

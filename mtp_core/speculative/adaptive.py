@@ -66,6 +66,11 @@ class DraftLimits:
             return 0
         return self.batch_limit(batch_size)
 
+    def row_limits(self, mtps: list[Optional[MTPState]], batch_size: int) -> list[int]:
+        """row_limit for each request of a batch (None: a row that drafts nothing, 0), rule 1 read once."""
+        lim = self.batch_limit(batch_size)
+        return [0 if m is None or m.is_off or m.pause_steps > 0 else lim for m in mtps]
+
     def observe(self, mtp: MTPState, proposed: int, accepted: int, stats: Optional[SpecStats] = None) -> None:
         """Rule 2 after a decode step of a request that verified `proposed` drafts and accepted `accepted`;
         a pause is counted in its statistics."""

@@ -17,7 +17,7 @@ step emits x13 (new hidden [h12]) and the policy gives the row drafts again: for
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -25,9 +25,6 @@ from mtp_core.request.mtp_state import MTPState
 from mtp_core.speculative.drafter import DraftInput, Drafter
 
 MAX_MTP_LAG = 2048          # positions of main hidden states a row that skips drafting may keep
-
-Held = Union[torch.Tensor, tuple[torch.Tensor, int]]   # states [n, H], or (a step's states [B, H], row b): row b's one
-
 
 def held_states(mtp: MTPState) -> list[torch.Tensor]:
     """The row's kept main hidden states, oldest first, as [n, H] tensors (a row reference becomes its row)."""
@@ -45,22 +42,23 @@ def hold_rows(mtps: list[MTPState], hidden: torch.Tensor, starts: list[int]) -> 
     per row and step (~1 us each), a reference a tuple. Like `hold` without copy, the step's states stay alive
     while a row refers to them."""
     for b, mtp in enumerate(mtps):
-        if mtp.is_off:
-            continue
-        if mtp.pending is None:
-            mtp.pending = [(hidden, b)]
-        else:
-            mtp.pending.append((hidden, b))
-        if starts[b] + 1 - mtp.num_valid > MAX_MTP_LAG:
-            mtp.is_off, mtp.pending = True, None
+        if not mtp.is_off:
+            _keep(mtp, (hidden, b), starts[b] + 1)
 
 
 def hold(mtp: MTPState, hidden: torch.Tensor, valid: int, copy: bool) -> None:
     """A row that skips drafting keeps its newly valid positions' main hidden states [n, H] (valid: its new
     valid length). copy: a view would keep the whole step's output (drafts, other rows) alive."""
+    _keep(mtp, hidden.clone() if copy else hidden, valid)
+
+
+def _keep(mtp: MTPState, states, valid: int) -> None:
+    """Appends kept states (a tensor or a row reference) up to the new valid length; a lag past MAX_MTP_LAG
+    drops them and switches drafting off."""
     if mtp.pending is None:
-        mtp.pending = []
-    mtp.pending.append(hidden.clone() if copy else hidden)
+        mtp.pending = [states]
+    else:
+        mtp.pending.append(states)
     if valid - mtp.num_valid > MAX_MTP_LAG:
         mtp.is_off, mtp.pending = True, None
 

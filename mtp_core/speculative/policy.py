@@ -146,13 +146,11 @@ class FixedPolicy:
 
     def row_limit(self, mtp: MTPState, batch_size: int) -> int:
         """Drafts this row may verify now: the explicit rules, and no more than chosen when it drafted."""
-        return min(self.rules.row_limit(mtp, batch_size), mtp.draft_len)
+        return min(self.rules.row_limit(mtp, batch_size), mtp.draft_len) if mtp.draft_len > 0 else 0
 
     def caps(self, rows: Sequence["DraftInput"], in_flight: int) -> list[int]:
-        """Each row's explicit limit (0 for rows that draft nothing: non-final prefill chunks, drafting off):
-        rules.row_limit, its batch limit read once per step."""
-        lim = self.rules.batch_limit(in_flight)
-        return [lim if r.needs_drafts and not r.seq.mtp.is_off and r.seq.mtp.pause_steps <= 0 else 0 for r in rows]
+        """Each row's explicit limit (0 for rows that draft nothing: non-final prefill chunks, drafting off)."""
+        return self.rules.row_limits([r.seq.mtp if r.needs_drafts else None for r in rows], in_flight)
 
     def choose(self, rows: Sequence["DraftInput"], in_flight: int) -> list[int]:
         """Each row's draft count for the next step; also sets seq.mtp.draft_len."""
@@ -392,8 +390,6 @@ class CostPolicy(FixedPolicy):
     # ---- after verification, per row -----------------------------------------------------
     def observe(self, mtp: MTPState, proposed: int, accepted: int, stats: Optional[SpecStats] = None) -> None:
         """The acceptance window, and the acceptance estimates (the request's and the engine-wide one)."""
-        if not proposed and not self.rules.window:     # a row at 0 drafts without the window rule: nothing to learn
-            return
         self.rules.observe(mtp, proposed, accepted, stats)
         if proposed > 0:
             self.acceptance.observe(mtp, proposed, accepted, self.num_steps)
