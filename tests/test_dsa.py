@@ -422,6 +422,32 @@ def test_native_is_bitwise_batch_and_thread_invariant(quant) -> None:
     assert torch.equal(two, whole)
 
 
+@NATIVE
+def test_native_outputs_left_out_keep_the_index_keys_and_kept_outputs() -> None:
+    """decode_forward asked for each row's last output (outputs=1) or none (2): the index keys and latents its
+    last layer writes, and the outputs it keeps, are bitwise those of the whole forward (outputs=0), for the
+    target and the MTP module (a DSA layer)."""
+    model = _v32_random()
+    rows = [(9, 1), (14, 3), (21, 2), (80, 66)]
+    _, _, _, _, (ids, meta, caches) = _native_pair(model, rows)
+    nd, n = model.native, model.config.num_hidden_layers
+    tail = (nd.rope_cos, nd.rope_sin, meta.positions, meta.slot_mapping, meta.query_start_i32, meta.block_tables_i32,
+            meta.seqlens_i32)
+    ends = [e - 1 for e in meta.query_start[1:]]
+    hidden = torch.randn(len(ids), model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    for first, num, hid, start in ((0, n, None, caches), (n, 1, hidden, caches[:1])):
+        got = {}
+        for outputs in (0, 1, 2):
+            c = [x.clone() for x in start]
+            got[outputs] = (torch.ops.mtp_core.decode_forward(nd.handle, first, num, ids, hid, c, *tail,
+                                                              hid is None, outputs), c)
+        assert got[0][0].shape[0] == len(ids) and got[2][0].shape[0] == 0
+        assert torch.equal(got[1][0], got[0][0][ends])
+        assert not torch.equal(got[0][1][-1], start[-1])          # the last layer wrote its entries
+        for outputs in (1, 2):
+            assert all(torch.equal(a, b) for a, b in zip(got[outputs][1], got[0][1]))
+
+
 # ---- quantized twins, the checkpoint writers ------------------------------------------------------------
 
 @NATIVE

@@ -288,6 +288,57 @@ def test_a_batch_over_the_call_limit_runs_as_several_calls_with_the_same_result(
             assert all(torch.equal(x, y) for x, y in zip(caches_a, caches_b))
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("max_tokens", [4, 64])
+def test_outputs_left_out_change_no_kept_output_and_no_cache_entry(layout, max_tokens) -> None:
+    """A forward asked for each row's last output only ("last") or for none ("none") runs the last layer past
+    its KV write only where an output is kept: the kept outputs and every cache entry are bitwise those of the
+    forward of every output, for the target (its last layer cut) and an MTP module, whole or cut into calls of 4
+    tokens (a row in two: its first part's last token is no output of it)."""
+    model = tiny_model(num_layers=2, num_mtp=1)
+    nd = NativeDecoder.build(model, layout)
+    nd = NativeDecoder(model, nd.weights, max_tokens=max_tokens)
+    D = model.config.kv_lora_rank + model.config.qk_rope_head_dim
+    g = torch.Generator().manual_seed(6)
+    prefix = torch.randn(64, PAGE, D, generator=g)
+    rows, tables = [list(range(0, 7)), [20], list(range(9, 12)), [5, 6]], [[5, 9], [7, 1, 4, 6, 8, 10], [2, 11, 3],
+                                                                        [12, 13]]
+    ids = torch.randint(7, 96, (13,), generator=g)
+    hidden = torch.randn(13, model.config.hidden_size, generator=g)
+    ends = [6, 7, 10, 12]
+    with torch.inference_mode():
+        for mtp in (False, True):
+            got = {}
+            for outputs in ("all", "last", "none"):
+                caches = [prefix.clone() for _ in range(3)]
+                meta = AttentionMetadata.build(rows, tables, PAGE, use_absorbed=layout == "packed")
+                if mtp:
+                    out = nd.mtp_forward(0, ids, hidden, meta, caches, outputs)
+                else:
+                    out = nd._call(0, 2, ids, None, caches[:2], meta, True, outputs)
+                got[outputs] = (out, caches)
+            assert got["all"][0].shape == (13, model.config.hidden_size)
+            assert torch.equal(got["last"][0], got["all"][0][ends]) and got["none"][0] is None
+            for outputs in ("last", "none"):
+                assert all(torch.equal(a, b) for a, b in zip(got[outputs][1], got["all"][1]))
+            assert not torch.equal(got["all"][1][2 if mtp else 1], prefix)     # the last layer wrote its entries
+
+
+def test_the_op_refuses_last_outputs_of_a_row_without_tokens() -> None:
+    model = tiny_model(num_layers=2, num_mtp=1)
+    nd = NativeDecoder.build(model, "direct")
+    D = model.config.kv_lora_rank + model.config.qk_rope_head_dim
+    caches = [torch.zeros(16, PAGE, D) for _ in range(2)]
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    i64 = lambda v: torch.tensor(v, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="row 1 feeds none"):
+        nd.forward_op(nd.handle, 0, 2, i64([9, 10]), None, caches, nd.rope_cos, nd.rope_sin, i64([0, 1]),
+                      i64([0, 1]), i32([0, 2, 2]), i32([[0], [1]]), i32([2, 1]), True, 1)
+    with pytest.raises(RuntimeError, match="outputs must be 0"):
+        nd.forward_op(nd.handle, 0, 2, i64([9, 10]), None, caches, nd.rope_cos, nd.rope_sin, i64([0, 1]),
+                      i64([0, 1]), i32([0, 2]), i32([[0]]), i32([2]), True, 3)
+
+
 @pytest.mark.parametrize("acts", ACTS, indirect=True)
 @pytest.mark.parametrize("quant", ["none", "bf16", "fp8", "nvfp4"])
 def test_two_threads_give_bitwise_the_same_result(quant, acts) -> None:

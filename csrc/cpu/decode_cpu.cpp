@@ -197,7 +197,10 @@ struct Forward {
   }
 
   // ---- attention ----------------------------------------------------------------------------------
-  void attention(Team& tm, const LayerW& L, const at::Tensor& cache, float* scratch, float* att_scratch) {
+  // kv_only: the latent KV (and DSA's index keys) of every token into the cache, and nothing else (no query, no
+  // attention): for tokens whose outputs nobody reads (Outputs)
+  void attention(Team& tm, const LayerW& L, const at::Tensor& cache, float* scratch, float* att_scratch,
+                 bool kv_only = false) {
     const int64_t T = w.T, H = d.H, R = d.R, P = d.P, nh = d.heads, D = R + P;
     const bool absorbed = L.absorbed();
     const int64_t dq = absorbed ? D : d.dn + P;               // per-head width of q
@@ -206,18 +209,18 @@ struct Forward {
     const Rows hx{w.h.get(), H, nullptr, T};
     const bool dsa = L.dsa();
     const int64_t nih = d.idx_heads, Di = d.idx_dim, ld = cache.size(2);   // cache row: [c_kv | k_pe (| index key)]
-    gemm(tm, L.q_in, hx, w.aq.get(), w.q_in_ld, scratch);
+    if (!kv_only) gemm(tm, L.q_in, hx, w.aq.get(), w.q_in_ld, scratch);
     gemm(tm, L.kv_a, hx, w.akv.get(), R + P, scratch);
     if (dsa) {
       gemm(tm, L.idx_k, hx, w.ik.get(), Di, scratch);
-      gemm(tm, L.idx_w, hx, w.iw.get(), nih, scratch);
+      if (!kv_only) gemm(tm, L.idx_w, hx, w.iw.get(), nih, scratch);
     }
     tm.sync();
     const float* kv_src = w.akv.get();
     const int64_t kv_ld = R + P;
     float* q = w.aq.get();
     int64_t q_ld = w.q_in_ld;
-    if (d.q_lora) {
+    if (d.q_lora && !kv_only) {
       norm_rows(tm, w.aq.get(), w.q_in_ld, d.q_lora, L.q_a_norm, w.qc.get(), d.q_lora);
       tm.sync();
       gemm(tm, L.q_b, Rows{w.qc.get(), d.q_lora, nullptr, T}, w.q.get(), nh * dq, scratch);
@@ -241,7 +244,7 @@ struct Forward {
         rope_inplace(kv + R, P, c, s, d.interleave, tmp);
         if (dsa) {   // the token's index key after its latent; its indexer query and head weights
           dsa::index_key(w.ik.get() + t * Di, Di, P, L.idx_norm, L.idx_bias, d.idx_eps, c, s, kv + D);
-          dsa::index_query(w.iq.get() + t * nih * Di, w.iw.get() + t * nih, nih, Di, P, c, s);
+          if (!kv_only) dsa::index_query(w.iq.get() + t * nih * Di, w.iw.get() + t * nih, nih, Di, P, c, s);
         }
         if (cache_type == at::kBFloat16) {
           c10::BFloat16* dst = cache.data_ptr<c10::BFloat16>() + b.slots[t] * ld;
@@ -252,7 +255,7 @@ struct Forward {
         } else {
           std::memcpy(cache.data_ptr<float>() + b.slots[t] * ld, kv, sizeof(float) * ld);
         }
-        for (int64_t hh = 0; hh < nh; ++hh) {
+        for (int64_t hh = 0; hh < (kv_only ? 0 : nh); ++hh) {
           float* qr = q + t * q_ld + hh * dq + (dq - P);
           rope_inplace(qr, P, c, s, d.interleave, tmp);
           if (!absorbed) std::memcpy(qlat + t * qlat_ld + hh * D + R, qr, sizeof(float) * P);
@@ -260,6 +263,7 @@ struct Forward {
       }
     }
     tm.sync();
+    if (kv_only) return;
     if (!absorbed) {   // q_latent_h = q_nope_h @ W_UK_h (kv_b_proj's key rows, read in place)
       const int64_t tiles = (R + 63) / 64;
       const auto [i0, i1] = tm.split(nh * tiles);
@@ -520,17 +524,21 @@ struct Forward {
   }
 
   // ---- one layer ----------------------------------------------------------------------------------
+  // kWhole: the layer; kKvOnly: up to its KV write (attention's kv_only), for tokens whose outputs nobody reads;
+  // kAfterPrologue: the layer without an MTP module's prologue, over tokens whose x already holds it
+  enum class Part { kWhole, kKvOnly, kAfterPrologue };
   void layer(Team& tm, const LayerW& L, const at::Tensor& cache, const float* mtp_hidden, float* scratch,
-             float* att_scratch) {
+             float* att_scratch, Part part = Part::kWhole) {
     const int64_t T = w.T, H = d.H;
-    if (L.eh_proj.defined()) {   // MTP prologue: x = eh_proj([enorm(embed) | hnorm(h)])
+    if (L.eh_proj.defined() && part != Part::kAfterPrologue) {   // MTP: x = eh_proj([enorm(embed) | hnorm(h)])
       norm_rows(tm, w.x.get(), H, H, L.enorm, w.g.get(), 2 * H);
       norm_rows(tm, mtp_hidden, H, H, L.hnorm, w.g.get() + H, 2 * H);
       tm.sync();
       gemm(tm, L.eh_proj, Rows{w.g.get(), 2 * H, nullptr, T}, w.x.get(), H, scratch);
       tm.sync();
     }
-    attention(tm, L, cache, scratch, att_scratch);
+    attention(tm, L, cache, scratch, att_scratch, part == Part::kKvOnly);
+    if (part == Part::kKvOnly) return;
     norm_rows(tm, w.x.get(), H, H, L.post_norm, w.h.get(), H);
     tm.sync();
     if (L.mlp.defined()) dense_mlp(tm, L.mlp, scratch); else moe(tm, L, scratch);
@@ -548,7 +556,7 @@ struct Forward {
 
 void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_layers, const int64_t* tok,
                     const float* mtp_hidden, const std::vector<at::Tensor>& caches, const Batch& b, bool final_norm,
-                    float* out) {
+                    float* out, Outputs outputs) {
   const DecodeDims& d = W.dims();
   const int64_t T = b.T, H = d.H, R = d.R, P = d.P, nh = d.heads;
   if (T == 0) return;
@@ -613,6 +621,31 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
     if (x.f) *x.f = arena.take<float>(x.n); else *x.i = arena.take<int32_t>(x.n);
   }
   Forward f{W, d, b, w, scratch_floats, dsa_sc};
+  // outputs left out: the last layer's KV write over every token, then (kLast) the rest of it over each row's
+  // last token alone, as a batch of B one-token rows
+  const bool cut = outputs == Outputs::kNone || (outputs == Outputs::kLast && T > b.B);
+  Batch last;
+  std::vector<int64_t> last_src, last_pos, last_slot;
+  std::vector<int32_t> last_qs;
+  if (cut && outputs == Outputs::kLast) {
+    last = b;
+    last.T = b.B;
+    last.row_of.resize(b.B);
+    last_qs.resize(b.B + 1);
+    for (int64_t r = 0; r < b.B; ++r) {
+      const int64_t t = b.qstart[r + 1] - 1;
+      last_src.push_back(t);
+      last_pos.push_back(b.positions[t]);
+      last_slot.push_back(b.slots[t]);
+      last_qs[r] = static_cast<int32_t>(r);
+      last.row_of[r] = static_cast<int32_t>(r);
+    }
+    last_qs[b.B] = static_cast<int32_t>(b.B);
+    last.positions = last_pos.data();
+    last.slots = last_slot.data();
+    last.qstart = last_qs.data();
+  }
+  Forward f_last{W, d, last, w, scratch_floats, dsa_sc};
   const float* emb_f = static_cast<const float*>(W.embed().p);
   const c10::BFloat16* emb_b = static_cast<const c10::BFloat16*>(W.embed().p);
   run_team(nt, [&](Team& tm) {
@@ -629,9 +662,23 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
       }
     }
     tm.sync();
-    for (int64_t l = 0; l < num_layers; ++l)
-      f.layer(tm, W.layers()[first_layer + l], caches[l], mtp_hidden, sc, at_sc);
-    const auto [t0, t1] = tm.split(T);
+    for (int64_t l = 0; l < num_layers; ++l) {
+      const LayerW& L = W.layers()[first_layer + l];
+      if (!cut || l + 1 < num_layers) {
+        f.layer(tm, L, caches[l], mtp_hidden, sc, at_sc);
+        continue;
+      }
+      f.layer(tm, L, caches[l], mtp_hidden, sc, at_sc, Forward::Part::kKvOnly);
+      if (outputs == Outputs::kNone) return;
+      if (tm.rank() == 0) {   // x of each row's last token to row r (last_src[r] >= r, ascending: in place)
+        for (int64_t r = 0; r < b.B; ++r)
+          if (last_src[r] != r) std::memcpy(w.x.get() + r * H, w.x.get() + last_src[r] * H, sizeof(float) * H);
+        w.T = b.B;
+      }
+      tm.sync();
+      f_last.layer(tm, L, caches[l], nullptr, sc, at_sc, Forward::Part::kAfterPrologue);
+    }
+    const auto [t0, t1] = tm.split(w.T);
     if (t1 > t0) {
       if (final_norm) {
         K().rms_norm(w.x.get() + t0 * H, H, t1 - t0, H, W.final_norm().p, W.final_norm().type, d.eps,
@@ -737,8 +784,11 @@ at::Tensor decode_forward_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, 
                               at::TensorList caches, const at::Tensor& rope_cos, const at::Tensor& rope_sin,
                               const at::Tensor& positions, const at::Tensor& slot_mapping,
                               const at::Tensor& query_start, const at::Tensor& block_tables,
-                              const at::Tensor& seqlens, bool final_norm) {
+                              const at::Tensor& seqlens, bool final_norm, int64_t outputs) {
   const DecodeWeights& W = *weights;
+  TORCH_CHECK(outputs >= 0 && outputs <= 2, "decode_forward: outputs must be 0 (all), 1 (each row's last) or 2 "
+              "(none), got ", outputs);
+  const Outputs which = static_cast<Outputs>(outputs);
   const DecodeDims& d = W.dims();
   TORCH_CHECK(first_layer >= 0 && num_layers >= 1 && first_layer + num_layers <= W.num_layers() &&
                   static_cast<int64_t>(caches.size()) == num_layers,
@@ -753,11 +803,16 @@ at::Tensor decode_forward_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, 
     TORCH_CHECK(mtp_hidden.has_value() && mtp_hidden->numel() == T * H, "decode_forward: an MTP layer needs hidden [T, H]");
     hid = mtp_hidden->to(at::kFloat).contiguous();
   }
-  at::Tensor out = at::empty({T, H}, ids.options().dtype(at::kFloat));
+  if (which == Outputs::kLast)
+    for (int64_t r = 0; r < b.B; ++r)
+      TORCH_CHECK(b.qstart[r + 1] > b.qstart[r], "decode_forward: outputs=1 (each row's last) needs every row to "
+                  "feed a token; row ", r, " feeds none");
+  const int64_t rows = which == Outputs::kAll ? T : which == Outputs::kLast ? b.B : 0;
+  at::Tensor out = at::empty({rows, H}, ids.options().dtype(at::kFloat));
   if (T == 0) return out;
   const std::vector<at::Tensor> cache_list(caches.begin(), caches.end());
   forward_layers(W, first_layer, num_layers, ids.data_ptr<int64_t>(), mtp ? hid.data_ptr<float>() : nullptr,
-                 cache_list, b, final_norm, out.data_ptr<float>());
+                 cache_list, b, final_norm, out.data_ptr<float>(), which);
   return out;
 }
 
@@ -837,11 +892,13 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
       .def("summary", &mtp_core::DecodeWeights::summary);
   // Native CPU decode forward: embeds ids [T], runs layers [first_layer, first_layer + num_layers) over the
   // paged latent caches (one per layer, written in place at slot_mapping; an MTP module's layer takes
-  // mtp_hidden [T, H]), optionally the final norm -> hidden [T, H] float32.
+  // mtp_hidden [T, H]), optionally the final norm -> hidden [T, H] float32; outputs 1: each row's last token's
+  // only ([B, H]; every row feeds one or more), 2: none ([0, H], the caches alone) (decode_forward.h: Outputs).
   m.def(
       "decode_forward(__torch__.torch.classes.mtp_core.DecodeWeights weights, int first_layer, int num_layers, "
       "Tensor ids, Tensor? mtp_hidden, Tensor(a!)[] caches, Tensor rope_cos, Tensor rope_sin, Tensor positions, "
-      "Tensor slot_mapping, Tensor query_start, Tensor block_tables, Tensor seqlens, bool final_norm) -> Tensor");
+      "Tensor slot_mapping, Tensor query_start, Tensor block_tables, Tensor seqlens, bool final_norm, "
+      "int outputs=0) -> Tensor");
   // The LM head: hidden [T, H] -> logits [T, vocab] float32, batch-invariant.
   m.def("decode_logits(__torch__.torch.classes.mtp_core.DecodeWeights weights, Tensor hidden, bool draft=False) -> "
         "Tensor");

@@ -27,12 +27,21 @@ struct Batch {
   std::vector<int32_t> row_of;   // [T]: the row of each token
 };
 
+// The tokens whose outputs a forward writes: every token's (out [T, H]), each row's last one (out [B, H]; every
+// row must feed at least one token), or none (only the caches are written). Where outputs are left out, the last
+// layer runs up to its KV write for those tokens (the query, attention and feed-forward of a position whose output
+// nobody reads change nothing a later token sees): an MTP module's forward over positions that only fill its
+// cache (a prompt's, a lagging row's, Eagle's forward 1 before the last accepted position), or a prefill chunk
+// whose hidden states nobody keeps. The outputs kept are the same numbers as kAll's rows (batch invariance).
+enum class Outputs { kAll, kLast, kNone };
+
 // Layers [first_layer, first_layer + num_layers) over the batch (the caches, one per layer, written at
-// b.slots); tok [T] the token ids, mtp_hidden [T, H] for an MTP module's layer; out [T, H] fp32 after the
-// final norm (final_norm) or the last layer. Inputs must have been checked (nothing inside throws).
+// b.slots); tok [T] the token ids, mtp_hidden [T, H] for an MTP module's layer; out fp32 after the final norm
+// (final_norm) or the last layer, of the tokens `outputs` says. Inputs must have been checked (nothing inside
+// throws).
 void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_layers, const int64_t* tok,
                     const float* mtp_hidden, const std::vector<at::Tensor>& caches, const Batch& b, bool final_norm,
-                    float* out);
+                    float* out, Outputs outputs = Outputs::kAll);
 
 // logits y [T, vocab] = x [T, H] @ lm_head^T, batch-invariant, on the thread team.
 void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y);

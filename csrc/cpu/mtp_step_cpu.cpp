@@ -421,9 +421,9 @@ at::Tensor vanilla_chain(const DecodeWeights& W, int64_t mtp_layer, int64_t K, a
       hin.insert(hin.end(), hids[r].begin(), hids[r].end());
     }
     const RowsAt rows(s, len, tab.data(), max_blocks, page, cos, sin);
-    std::vector<float> g(rows.batch.T * H);
+    std::vector<float> g(R * H);                  // the module's output at each row's last position
     forward_layers(W, mtp_layer + k, 1, ids.data(), hin.data(), {caches[mtp_layer + k]}, rows.batch, false,
-                   g.data());
+                   g.data(), Outputs::kLast);
     std::vector<int64_t> active;                  // run rows (indices r) that may take a draft from module k
     for (int64_t r = 0; r < R; ++r)
       if (k < nd[run[r]] && !gate.stopped[r]) active.push_back(r);
@@ -431,7 +431,7 @@ at::Tensor vanilla_chain(const DecodeWeights& W, int64_t mtp_layer, int64_t K, a
     const int64_t n = static_cast<int64_t>(active.size());
     std::vector<float> last(n * H);
     for (int64_t a = 0; a < n; ++a)
-      std::copy_n(&g[(rows.qstart[active[a] + 1] - 1) * H], H, &last[a * H]);
+      std::copy_n(&g[active[a] * H], H, &last[a * H]);
     lg.resize(n * V);
     draft_logits(W, last.data(), n, lg.data());
     for (int64_t a = 0; a < n; ++a) {
@@ -469,16 +469,12 @@ void eagle_chain(const DecodeWeights& W, int64_t mtp_layer, at::TensorList cache
     len1[r] = st[b] + m[b] + 1 - first[r];
   }
   const RowsAt fwd1(first, len1, tab.data(), max_blocks, page, cos, sin);
-  std::vector<float> g1(fwd1.batch.T * H);
-  forward_layers(W, mtp_layer, 1, tok1.data(), h1.data(), cache, fwd1.batch, false, g1.data());
+  std::vector<float> g(R * H), lg;    // g: each row's output at q = start + m (the positions before it: KV only)
+  forward_layers(W, mtp_layer, 1, tok1.data(), h1.data(), cache, fwd1.batch, false, g.data(), Outputs::kLast);
 
   // the draft chain: run rows (indices r) that want j more drafts
   std::vector<int64_t> rows(R), prev(R);
-  std::vector<float> g(R * H), lg;
-  for (int64_t r = 0; r < R; ++r) {
-    std::copy_n(&g1[(fwd1.qstart[r + 1] - 1) * H], H, &g[r * H]);     // g at q = start + m
-    rows[r] = r;
-  }
+  for (int64_t r = 0; r < R; ++r) rows[r] = r;
   for (int64_t j = 0; !rows.empty(); ++j) {
     const int64_t n = static_cast<int64_t>(rows.size());
     std::vector<float> gx(n * H);

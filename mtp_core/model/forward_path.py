@@ -15,7 +15,7 @@ device-only metadata (`AttentionMetadata.uniform`, every MoE dense) and the engi
 """
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Literal, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,17 @@ from mtp_core.model.attention_metadata import AttentionMetadata
 from mtp_core.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 
+# The rows an MTP forward returns: every position's, each row's last position's ([B, H]: the one a draft
+# starts from), or none (None: the forward only fills the module's cache). The native path skips, at the positions
+# it leaves out, everything after the module's KV write (decode_forward.h: Outputs).
+MtpOutputs = Literal["all", "last", "none"]
+
+
+def row_ends(meta: AttentionMetadata) -> list[int]:
+    """The index of each row's last token in the flattened batch."""
+    return [e - 1 for e in meta.query_start[1:]]
+
+
 class ForwardPath(Protocol):
     name: str
 
@@ -32,8 +43,8 @@ class ForwardPath(Protocol):
         """The target model: ids [T] -> hidden [T, H] after the final norm."""
 
     def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                    caches: list[torch.Tensor]) -> torch.Tensor:
-        """MTP module k: (ids [T], hidden [T, H]) -> h_out [T, H]."""
+                    caches: list[torch.Tensor], outputs: MtpOutputs = "all") -> Optional[torch.Tensor]:
+        """MTP module k: (ids [T], hidden [T, H]) -> h_out [T, H], of the rows `outputs` says."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> float32 logits [..., V]."""
@@ -75,8 +86,9 @@ class TorchForward:
         return self.model(ids, meta, caches)
 
     def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                    caches: list[torch.Tensor]) -> torch.Tensor:
-        return self.model.mtp_forward(k, ids, hidden, meta, caches)
+                    caches: list[torch.Tensor], outputs: MtpOutputs = "all") -> Optional[torch.Tensor]:
+        out = self.model.mtp_forward(k, ids, hidden, meta, caches)
+        return out if outputs == "all" else out[row_ends(meta)] if outputs == "last" else None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

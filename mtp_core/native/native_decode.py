@@ -24,6 +24,7 @@ from mtp_core import kernels
 from mtp_core.config import runtime
 from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
 from mtp_core.model.attention_metadata import AttentionMetadata
+from mtp_core.model.forward_path import MtpOutputs
 from mtp_core.model.layers import MLP
 from mtp_core.model.moe import MoE
 from mtp_core.native.native_weights import NativeWeights, build_native_weights, choose_layout, draft_head
@@ -32,6 +33,7 @@ log = logging.getLogger("mtp.model")
 
 MAX_TOKENS = 16384    # tokens per op call (bounds its work buffers); a larger batch runs as several calls
 _LINEARS = (nn.Linear, Fp8BlockLinear, Nvfp4Linear)
+_OUTPUTS = {"all": 0, "last": 1, "none": 2}    # MtpOutputs as decode_forward's `outputs`
 
 
 def direct_op(packet: Any) -> Callable:
@@ -124,29 +126,36 @@ class NativeDecoder:
 
     # ---- serving -------------------------------------------------------------------------
     def _call(self, first: int, num: int, ids: torch.Tensor, hidden: Optional[torch.Tensor],
-              caches: list[torch.Tensor], meta: AttentionMetadata, final_norm: bool) -> torch.Tensor:
+              caches: list[torch.Tensor], meta: AttentionMetadata, final_norm: bool,
+              outputs: MtpOutputs = "all") -> Optional[torch.Tensor]:
         """Layers first..first+num-1 over the batch (host metadata: AttentionMetadata.build), float32 out whatever
-        the weights: MTP inputs and logits see the unrounded hidden state."""
+        the weights: MTP inputs and logits see the unrounded hidden state. outputs: forward_path.MtpOutputs."""
         if meta.query_start_i32 is None:
             raise ValueError("the native forward needs host metadata (AttentionMetadata.build), not uniform()")
         if meta.query_start[-1] > self.max_tokens:
-            return torch.cat([self._call(first, num, ids[a:b], None if hidden is None else hidden[a:b], caches,
-                                         part, final_norm) for a, b, part in _pieces(meta, self.max_tokens)])
+            parts = [(self._call(first, num, ids[a:b], None if hidden is None else hidden[a:b], caches, part,
+                                 final_norm, outputs), cut) for a, b, part, cut in _pieces(meta, self.max_tokens)]
+            if outputs == "none":
+                return None
+            # "last": a row cut in two ends in the later piece; the earlier piece's last row is its first part
+            return torch.cat([out[:-1] if cut and outputs == "last" else out for out, cut in parts])
         if max(meta.context_lens) > self.rope_len:
             self.grow_rope(max(meta.context_lens) + 256)
-        return self.forward_op(self.handle, first, num, ids, hidden, caches, self.rope_cos, self.rope_sin,
-                               meta.positions, meta.slot_mapping, meta.query_start_i32, meta.block_tables_i32,
-                               meta.seqlens_i32, final_norm)
+        out = self.forward_op(self.handle, first, num, ids, hidden, caches, self.rope_cos, self.rope_sin,
+                              meta.positions, meta.slot_mapping, meta.query_start_i32, meta.block_tables_i32,
+                              meta.seqlens_i32, final_norm, _OUTPUTS[outputs])
+        return None if outputs == "none" else out
 
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]) -> torch.Tensor:
         """The target model over a batch: ids [T] -> hidden [T, H] float32 after the final norm."""
         return self._call(0, self.num_main, ids, None, caches[:self.num_main], meta, True)
 
     def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                    caches: list[torch.Tensor]) -> torch.Tensor:
-        """MTP module k: (ids [T], hidden [T, H]) -> h_out [T, H] after its shared-head norm."""
+                    caches: list[torch.Tensor], outputs: MtpOutputs = "all") -> Optional[torch.Tensor]:
+        """MTP module k: (ids [T], hidden [T, H]) -> h_out [T, H] after its shared-head norm, of the rows
+        `outputs` says (forward_path.MtpOutputs)."""
         layer = self.num_main + k
-        return self._call(layer, 1, ids, hidden.contiguous(), [caches[layer]], meta, False)
+        return self._call(layer, 1, ids, hidden.contiguous(), [caches[layer]], meta, False, outputs)
 
     def eagle_drafts(self, next_tokens: list[list[int]], hidden: torch.Tensor, start: list[int],
                      tables: list[list[int]], num_drafts: list[int], caches: list[torch.Tensor]) -> list[list[int]]:
@@ -181,12 +190,12 @@ def padded_tables(tables: list[list[int]]) -> torch.Tensor:
     return torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width)
 
 
-def _pieces(meta: AttentionMetadata, max_tokens: int) -> list[tuple[int, int, AttentionMetadata]]:
+def _pieces(meta: AttentionMetadata, max_tokens: int) -> list[tuple[int, int, AttentionMetadata, bool]]:
     """A batch of more than max_tokens tokens as consecutive calls of at most max_tokens each: (first token, end
-    token, metadata) per call. A row may be cut in two; its second part then attends to the first part's
-    cache entries, as the next chunk of a chunked prefill does (the same values: the kernels are chunk- and
-    batch-invariant)."""
-    pieces: list[tuple[int, int, AttentionMetadata]] = []
+    token, metadata, whether its last row goes on in the next call) per call. A row may be cut in two; its second
+    part then attends to the first part's cache entries, as the next chunk of a chunked prefill does (the same
+    values: the kernels are chunk- and batch-invariant)."""
+    pieces: list[tuple[int, int, AttentionMetadata, bool]] = []
     rows: list[list[int]] = []
     tables: list[list[int]] = []
     start = used = 0
@@ -199,9 +208,10 @@ def _pieces(meta: AttentionMetadata, max_tokens: int) -> list[tuple[int, int, At
             used += len(take)
             if used == max_tokens:
                 pieces.append((start, start + used, AttentionMetadata.build(
-                    rows, tables, meta.tokens_per_block, meta.use_absorbed, device=meta.positions.device)))
+                    rows, tables, meta.tokens_per_block, meta.use_absorbed, device=meta.positions.device),
+                    bool(positions)))
                 start, used, rows, tables = start + used, 0, [], []
     if rows:
         pieces.append((start, start + used, AttentionMetadata.build(
-            rows, tables, meta.tokens_per_block, meta.use_absorbed, device=meta.positions.device)))
+            rows, tables, meta.tokens_per_block, meta.use_absorbed, device=meta.positions.device), False))
     return pieces

@@ -23,7 +23,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
-from mtp_core.model.forward_path import ForwardPath, draft_tokens
+from mtp_core.model.forward_path import ForwardPath, MtpOutputs, draft_tokens
 from mtp_core.native.native_decode import NativeDecoder
 from mtp_core.request.sequence import Sequence
 
@@ -63,11 +63,12 @@ class _MTPRunner:
                                         self.caches)
 
     def run(self, module: int, positions: list[list[int]], tokens: list[list[int]], hidden: torch.Tensor,
-            tables: list[list[int]]) -> torch.Tensor:
-        """hidden [T, H] aligned with the flattened tokens -> module output [T, H]."""
+            tables: list[list[int]], outputs: MtpOutputs = "all") -> Optional[torch.Tensor]:
+        """hidden [T, H] aligned with the flattened tokens -> module output [T, H] (outputs "last": [rows, H] at
+        each row's last position; "none": None, the module's cache written only)."""
         meta = AttentionMetadata.build(positions, tables, self.tokens_per_block, device=hidden.device)
         ids = torch.tensor([t for row in tokens for t in row], dtype=torch.long, device=hidden.device)
-        return self.path.mtp_forward(module, ids, hidden, meta, self.caches)
+        return self.path.mtp_forward(module, ids, hidden, meta, self.caches, outputs)
 
     def draft(self, out_last: torch.Tensor, with_prob: bool) -> tuple[list[int], Optional[list[float]]]:
         """[R, H] -> (greedy draft token per row (drafts are always greedy), with_prob: the MTP head's
@@ -80,16 +81,14 @@ class _MTPRunner:
         return draft_tokens(self.path, d).tolist(), p.tolist()
 
 
-def _last_rows(out: torch.Tensor, positions: list[list[int]], active: list[int]) -> torch.Tensor:
-    """out [T, H] (rows laid out one after another) -> [len(active), H]: the last position of each active row
-    (a slice when there is one row: no gather)."""
-    ends, n = [], 0
-    for p in positions:
-        n += len(p)
-        ends.append(n - 1)
+def _rows(last: torch.Tensor, active: list[int]) -> torch.Tensor:
+    """last [rows, H] (each row's last position) -> [len(active), H]: the active rows' (no copy when every row
+    is active, a slice when one is)."""
+    if len(active) == len(last):
+        return last
     if len(active) == 1:
-        return out[ends[active[0]]:ends[active[0]] + 1]
-    return out[[ends[i] for i in active]]
+        return last[active[0]:active[0] + 1]
+    return last[active]
 
 
 def _limit(r: DraftInput, K: int) -> int:
@@ -117,14 +116,14 @@ class EagleDrafter(_MTPDrafter):
         if self.runner.native is not None and not thr and all(r.needs_drafts and _limit(r, K) > 0 for r in rows):
             return self.runner.eagle_drafts(rows, [_limit(r, K) for r in rows])     # the same drafts, one call
         positions = [list(range(r.start, r.start + len(r.next_tokens))) for r in rows]
-        out = self.runner.run(0, positions, [r.next_tokens for r in rows], torch.cat([r.hidden for r in rows]),
-                              [r.seq.kv.block_table for r in rows])
         active = [i for i, r in enumerate(rows) if r.needs_drafts and _limit(r, K) > 0]
+        out = self.runner.run(0, positions, [r.next_tokens for r in rows], torch.cat([r.hidden for r in rows]),
+                              [r.seq.kv.block_table for r in rows], "last" if active else "none")
         if not active:
             return drafts
         limits = {i: _limit(rows[i], K) for i in active}
         conf = {i: 1.0 for i in active}
-        g = _last_rows(out, positions, active)                            # [R, H]
+        g = _rows(out, active)                                            # [R, H]
         for j in range(1, K + 1):
             d, p = self.runner.draft(g, thr > 0)
             keep: list[int] = []
@@ -186,11 +185,12 @@ class VanillaDrafter(_MTPDrafter):
                 positions.append(list(range(s, s + n)))
                 tokens.append(toks + chain_tok[i])
                 hiddens.append(torch.cat([hid, *[h[None] for h in chain_hid[i]]]) if chain_hid[i] else hid)
-            out = self.runner.run(k, positions, tokens, torch.cat(hiddens), [r.seq.kv.block_table for r in rows])
             active = [i for i in drafting if len(drafts[i]) == k and k < drafting[i]]
+            out = self.runner.run(k, positions, tokens, torch.cat(hiddens), [r.seq.kv.block_table for r in rows],
+                                  "last" if active else "none")
             if not active:
                 continue
-            g = _last_rows(out, positions, active)
+            g = _rows(out, active)
             d, p = self.runner.draft(g, thr > 0)
             for n, (i, tok, h) in enumerate(zip(active, d, g)):
                 if p is not None:
