@@ -261,6 +261,7 @@ class SimEngine:
         self.seqs = [self.new_request() for _ in range(B)]
         self.clock = 0.0
         self.tokens = 0
+        self.timed = 0                   # steps the policy timed
         self.chosen: list[int] = []
 
     def new_request(self):
@@ -279,6 +280,7 @@ class SimEngine:
 
     def step(self, i):
         verify = [s.mtp.draft_len for s in self.seqs]
+        timed = self.p.times_next_step            # as the engine: steps the policy does not time get no times
         c0 = self.clock
         self.clock += self.noisy(sum(self.target(1, k) for k in verify))
         inputs = []
@@ -305,7 +307,8 @@ class SimEngine:
             if n:
                 s.mtp.num_valid = s.kv.num_cached
         self.p.record_step([SimpleNamespace(is_prefill=False, token_ids=[0] * (v + 1)) for v in verify],
-                           c0, c1, self.clock)
+                           *((c0, c1, self.clock) if timed else (None, None, None)))
+        self.timed += timed
         self.chosen.append(k)
 
     def run(self, steps):
@@ -347,6 +350,22 @@ def test_the_loop_settles_on_the_best_count(B, a, good, seed):
     assert max(range(4), key=lambda k: fixed[k].tokens / fixed[k].clock) in good      # the premise
     top = max(f.tokens / f.clock for f in fixed)
     assert sim.tokens / sim.clock >= 0.93 * top, (sim.tokens / sim.clock, top)
+
+
+def test_a_run_at_zero_drafts_times_few_of_its_steps_and_still_learns_their_cost():
+    """Batch 16 at COSTS (0 drafts pay): in a run of decisions for 0 the engine reads the clock in one step of
+    pol.ZERO_TIMING and the one before it, not every step, and the k = 0 cell still gathers TRUSTED samples; at
+    batch 1 with a head that accepts everything (3 drafts pay) every step after a drafting decision is timed."""
+    tgt, drf = per_row(COSTS[16][0]), per_row(COSTS[16][1])
+    p = DraftLenPolicy(3, DraftLimits(3), "cost")
+    sim = SimEngine(p, 16, tgt, drf, lambda i: 0.9, seed=1).run(400)
+    assert sim.chosen[100:].count(0) >= 280, sim.chosen
+    assert sim.timed <= 100 + 300 * 2 / pol.ZERO_TIMING + 30, sim.timed
+    assert len(p.costs.target[bucket(16)][0].samples) >= costs.TRUSTED
+    p1 = DraftLenPolicy(3, DraftLimits(3), "cost")
+    sim1 = SimEngine(p1, 1, per_row(COSTS[1][0]), per_row(COSTS[1][1]), lambda i: 1.0, seed=1, tokens=100000)
+    sim1.run(200)
+    assert sim1.chosen[40:].count(3) >= 130 and sim1.timed >= 200 - sim1.chosen.count(0), sim1.chosen
 
 
 @pytest.mark.parametrize("seed", [1, 2])

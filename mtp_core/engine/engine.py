@@ -258,22 +258,25 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Runs one engine step; returns the sequences that made progress (finished ones included)."""
-        # t0 for the iteration log; c0, c1 on the policy's clock: the step's start and the end of its commit
-        t0, c0 = time.perf_counter(), self.spec.policy.clock()
+        # t0 for the iteration log; c0, c1 on the policy's clock: the step's start and the end of its commit (None:
+        # a step the policy does not time)
+        policy = self.spec.policy
+        clock = policy.clock if policy.times_next_step else None
+        t0, c0 = time.perf_counter(), clock() if clock else None
         rows, meta = self._schedule()
         if not rows:
             return []
         try:
             step = self._forward(rows, meta)
             inputs = self._commit(step)
-            c1 = self.spec.policy.clock()
+            c1 = clock() if clock else None
             self._choose_drafts(inputs, step)
             drafts = self._propose(inputs, step)
             self._store_drafts(inputs, drafts)
         except BaseException:
             self._abort_step(rows)
             raise
-        self._finish_step(step, t0, c0, c1)
+        self._finish_step(step, t0, c0, c1, clock)
         return [r.seq for r in rows]
 
     def _abort_step(self, rows: list[ScheduledRow]) -> None:
@@ -399,10 +402,12 @@ class Engine:
         if self.paths.overlap is not None:
             self.paths.overlap.fill_drafts()
 
-    def _finish_step(self, step: StepOutput, t0: float, c0: float, c1: float) -> None:
-        """t0: the step's start (perf_counter); c0, c1: its start and the end of its commit on the policy's clock."""
+    def _finish_step(self, step: StepOutput, t0: float, c0: Optional[float], c1: Optional[float],
+                     clock: Optional[Callable[[], float]]) -> None:
+        """t0: the step's start (perf_counter); c0, c1: its start and the end of its commit on the policy's clock
+        (None, and no clock, in a step the policy does not time)."""
         rows = step.rows
-        self.spec.policy.record_step(rows, c0, c1, self.spec.policy.clock())
+        self.spec.policy.record_step(rows, c0, c1, clock() if clock else None)
         self.num_steps += 1
         if self.iter_log:
             ntok = sum(len(r.token_ids) for r in rows)

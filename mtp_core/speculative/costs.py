@@ -224,15 +224,19 @@ class StepTimer:
         self._run_verified = 0                      # ... and how many steps in a row verified as many
         self.warmup = WARMUP_STEPS
 
-    def record_step(self, rows: Sequence[Any], t0: float, t1: float, t2: float) -> None:
+    def record_step(self, rows: Sequence[Any], t0: Optional[float], t1: Optional[float], t2: Optional[float]
+                    ) -> None:
         """rows: the step's scheduled rows; t0 its start, t1 after commit (target part done), t2 its end
-        (drafting for the next step done)."""
+        (drafting for the next step done); all None in a step not timed, which counts in the runs but measures
+        nothing."""
         num_prefill, lens = 0, set()              # one pass over the rows
         for r in rows:
             num_prefill += r.is_prefill
             lens.add(len(r.token_ids))
         decode = bool(rows) and not num_prefill
-        if rows and num_prefill == len(rows) and self.warmup < WARMUP_STEPS:
+        if t2 is None:                            # not timed: the runs go on, nothing is measured
+            t0 = t1 = None
+        if rows and num_prefill == len(rows) and self.warmup < WARMUP_STEPS and t1 is not None:
             # a prompt's forward per token (after the first decode step: the first prefill runs cold), the prior
             # for what a catch-up costs per position until one is measured
             self.costs.add_prefill((t1 - t0) / sum(len(r.token_ids) for r in rows))
@@ -248,6 +252,8 @@ class StepTimer:
         prev_end, self._prev_end = self._prev_end, t2 if decode else None
         if decode and self.warmup > 0:
             self.warmup -= 1
+            return
+        if t1 is None:
             return
         if decode and self._run_verified > SETTLE:
             self.costs.add_target(len(rows), verified, t1 - (prev_end if prev_end is not None else t0))

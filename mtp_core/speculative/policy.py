@@ -77,6 +77,9 @@ STICK = 0.02               # keep the previous count unless another promises thi
 REDECIDE = 4               # steps a decision for 0 drafts stands while the batch stays the same
 REDECIDE_DRAFTING = 8      # steps the largest count, chosen twice in a row, stands (until a row's drafts are all
                            # rejected: observe)
+ZERO_TIMING = 8            # in a run of decisions for 0 drafts, one step of every ZERO_TIMING is timed (and the one
+                           # before it, whose end it starts from): a k = 0 step's clock reads and bookkeeping cost
+                           # ~3% of the shipped model's step at batch 1, and nothing is learnt at 0 but that cost
 PRIOR_DRAFT_COST = 0.4     # before any step is measured: a step verifying k drafts costs 1 + 0.4 k steps without
                            # (a multi-token verify plus the MTP forwards; measured 1.4-1.6 at k = 1 on every model
                            # here, lower per draft at k = 3)
@@ -130,6 +133,7 @@ class FixedPolicy:
     `record_step` once per step with its timestamps (from `clock`); `row_limit` and `in_flight` serve the
     scheduler."""
     policy = "fixed"
+    times_next_step = False    # whether the engine reads `clock` for the next step (record_step: None when not)
 
     def __init__(self, draft_len: int, rules: Optional[DraftLimits] = None,
                  clock: Callable[[], float] = time.perf_counter) -> None:
@@ -161,7 +165,7 @@ class FixedPolicy:
         (explicit rule; a pause is counted in stats)."""
         self.rules.observe(mtp, proposed, accepted, stats)
 
-    def record_step(self, rows: Sequence, t0: float, t1: float, t2: float) -> None:
+    def record_step(self, rows: Sequence, t0: Optional[float], t1: Optional[float], t2: Optional[float]) -> None:
         """Nothing is measured under a fixed count."""
 
     def summary(self) -> dict:
@@ -185,6 +189,7 @@ class CostPolicy(FixedPolicy):
         self._run_k = 0                                # ... and how many decisions in a row chose it
         self._retry: Optional[Retry] = None
         self._standing: Optional[Standing] = None
+        self.times_next_step = True
 
     @property
     def costs(self) -> StepCosts:
@@ -214,7 +219,7 @@ class CostPolicy(FixedPolicy):
         caps = self.caps(rows, in_flight)
         kmax = max(caps, default=0)
         if kmax == 0:
-            self._run_k, self._standing = 0, None
+            self._run_k, self._standing, self.times_next_step = 0, None, True
             return _apply(rows, caps)
         B = sum(r.needs_drafts for r in rows)
         b = bucket(B)
@@ -227,10 +232,13 @@ class CostPolicy(FixedPolicy):
         self._last_k = k
         self._run_k = self._run_k + 1 if k == prev else 1
         if k == 0:                  # every row at 0: no lag to weigh, every row at the count
-            measured = self._run_k > SETTLE and all(r.start + len(r.next_tokens) > r.seq.kv.prefill_target
-                                                    for r in rows)      # decode rows only
+            run = self._run_k
+            self.times_next_step = run <= SETTLE + 1 or run % ZERO_TIMING in (0, ZERO_TIMING - 1)
+            measured = self.times_next_step and run > SETTLE and all(
+                r.start + len(r.next_tokens) > r.seq.kv.prefill_target for r in rows)      # decode rows only
             self.timer.pending = Measure(B, 0, 0, measured)
             return _apply(rows, [0] * len(rows))
+        self.times_next_step = True
         limits, catchup, uniform, decode_only = [], 0, True, True
         for r, c in zip(rows, caps):
             mtp = r.seq.mtp
@@ -397,9 +405,9 @@ class CostPolicy(FixedPolicy):
                 self._standing = None
 
     # ---- timing, once per step -----------------------------------------------------------
-    def record_step(self, rows: Sequence, t0: float, t1: float, t2: float) -> None:
+    def record_step(self, rows: Sequence, t0: Optional[float], t1: Optional[float], t2: Optional[float]) -> None:
         """rows: the step's scheduled rows; t0 its start, t1 after commit (target part done), t2 its end
-        (drafting for the next step done), all read from `clock`."""
+        (drafting for the next step done), all read from `clock`; None in a step not timed (times_next_step)."""
         self.timer.record_step(rows, t0, t1, t2)
 
     def summary(self) -> dict:
