@@ -212,10 +212,17 @@ class CostPolicy(FixedPolicy):
         """Each row's draft count for the next step (0 for rows that draft nothing); also sets
         seq.mtp.draft_len. While the batch stays the same a count of 0 is re-derived from the estimates every
         REDECIDE steps, the largest count once chosen twice in a row every REDECIDE_DRAFTING steps (at once
-        after a row's drafts are all rejected); else each step."""
+        after a row's drafts are all rejected); else each step. A standing 0 in a batch of as many rows skips
+        the rows' explicit limits too: they only bound counts from above."""
         self.timer.pending = None
         self.num_steps += 1
         prev, self._last_k = self._last_k, None
+        st = self._standing
+        if st is not None and prev == 0 and st.steps_left > 0 and st.batch[2] == len(rows) and self._retry is None:
+            st.steps_left -= 1
+            log = self.buckets[bucket(st.batch[0])]
+            log.decisions += 1
+            return self._zero(rows, st.batch[0], log, prev)
         caps = self.caps(rows, in_flight)
         kmax = max(caps, default=0)
         if kmax == 0:
@@ -228,16 +235,11 @@ class CostPolicy(FixedPolicy):
             log = self.buckets[b] = BucketLog(last_chosen=[0] * (self.draft_len + 1))   # no re-try owed yet
         log.decisions += 1
         k, resume = self._count(rows, caps, kmax, B, b, log, prev)
+        if k == 0:                  # every row at 0: no lag to weigh, every row at the count
+            return self._zero(rows, B, log, prev)
         log.last_chosen[k] = log.decisions
         self._last_k = k
         self._run_k = self._run_k + 1 if k == prev else 1
-        if k == 0:                  # every row at 0: no lag to weigh, every row at the count
-            run = self._run_k
-            self.times_next_step = run <= SETTLE + 1 or run % ZERO_TIMING in (0, ZERO_TIMING - 1)
-            measured = self.times_next_step and run > SETTLE and all(
-                r.start + len(r.next_tokens) > r.seq.kv.prefill_target for r in rows)      # decode rows only
-            self.timer.pending = Measure(B, 0, 0, measured)
-            return _apply(rows, [0] * len(rows))
         self.times_next_step = True
         limits, catchup, uniform, decode_only = [], 0, True, True
         for r, c in zip(rows, caps):
@@ -258,6 +260,19 @@ class CostPolicy(FixedPolicy):
         # measured: decode rows only, every row at k (the costs are per row of such steps), in a run of k
         self.timer.pending = Measure(B, k, catchup, decode_only and uniform and self._run_k > SETTLE)
         return limits
+
+    def _zero(self, rows: Sequence["DraftInput"], B: int, log: BucketLog, prev: Optional[int]) -> list[int]:
+        """A decision for 0 drafts, every row at it: its bookkeeping, and whether the next step is timed."""
+        log.last_chosen[0] = log.decisions
+        run = self._run_k = self._run_k + 1 if prev == 0 else 1
+        self._last_k = 0
+        self.times_next_step = run <= SETTLE + 1 or run % ZERO_TIMING in (0, ZERO_TIMING - 1)
+        measured = self.times_next_step and run > SETTLE and all(
+            r.start + len(r.next_tokens) > r.seq.kv.prefill_target for r in rows)      # decode rows only
+        self.timer.pending = Measure(B, 0, 0, measured)
+        for r in rows:
+            r.seq.mtp.draft_len = 0
+        return [0] * len(rows)
 
     def _count(self, rows: Sequence["DraftInput"], caps: list[int], kmax: int, B: int, b: int, log: BucketLog,
                prev: Optional[int]) -> tuple[int, bool]:
