@@ -368,6 +368,26 @@ def test_a_run_at_zero_drafts_times_few_of_its_steps_and_still_learns_their_cost
     assert sim1.chosen[40:].count(3) >= 130 and sim1.timed >= 200 - sim1.chosen.count(0), sim1.chosen
 
 
+def test_a_decision_for_zero_that_comes_out_zero_again_stands_longer():
+    """Batch 16 at COSTS (0 pays): once 0 is re-derived in the same batch, it stands 8, then REDECIDE_ZERO_MAX
+    steps, so a long stretch at 0 re-derives it about once in REDECIDE_ZERO_MAX steps (re-tries aside), not once
+    in REDECIDE (each decision ~50 us of Python against a 0.2-0.4 ms step)."""
+    tgt, drf = per_row(COSTS[16][0]), per_row(COSTS[16][1])
+    p = DraftLenPolicy(3, DraftLimits(3), "cost")
+    decided = []
+    real = p._decide
+
+    def counting(*a):
+        decided.append(len(sim.chosen))
+        return real(*a)
+    p._decide = counting
+    sim = SimEngine(p, 16, tgt, drf, lambda i: 0.9, seed=1)
+    sim.run(500)
+    assert sim.chosen[100:].count(0) >= 370, sim.chosen
+    late = [i for i in decided if i >= 100]
+    assert len(late) <= 400 / pol.REDECIDE_ZERO_MAX + 12, late
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_compute_bound_batch_finds_that_drafting_does_not_pay(seed):
     """Batch 16 of a small model on a CPU (the shipped model, measured): the step grows with its tokens, a step

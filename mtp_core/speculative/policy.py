@@ -26,7 +26,8 @@ that many. Two policies (`speculative_config.draft_len_policy`; `make_policy` bu
   then stops chains inside the drafter), so explicit settings bound this policy. A drafting count must
   beat k = 0 by 5% (measurement noise, and the k = 0 steps among drafting ones cost more than in a run
   of k = 0), the previous count is kept unless another is 2% better, ties go to the smaller count. The
-  count is re-derived every 4th step at 0 (nothing is learnt at 0), every step at a count below the largest
+  count is re-derived every 4th step at 0, then every 8th and 16th while it comes out 0 in the same batch
+  (nothing is learnt at 0), every step at a count below the largest
   (the positions it does not verify are not observed), and at the largest once chosen twice in a row every
   8th step or at once after a row's drafts are all rejected (a decision is ~40 us of Python at batch 1, a
   tenth of the shipped model's drafting step). Once
@@ -74,7 +75,9 @@ HORIZON = 128              # steps over which a catch-up is amortised, at most (
 DRAFT_MARGIN = 0.05        # drafting must promise this much more than no drafting (measurement noise, and the
                            # k = 0 steps between drafting ones measured dearer than in a run of k = 0 only)
 STICK = 0.02               # keep the previous count unless another promises this much more (a change costs)
-REDECIDE = 4               # steps a decision for 0 drafts stands while the batch stays the same
+REDECIDE = 4               # steps a decision for 0 drafts stands while the batch stays the same, doubled for each
+REDECIDE_ZERO_MAX = 16     # re-derivation that came out 0 again, up to this (a decision is 50-60 us of Python at
+                           # batch 1-4, where the shipped model's k = 0 step is 0.2-0.4 ms)
 REDECIDE_DRAFTING = 8      # steps the largest count, chosen twice in a row, stands (until a row's drafts are all
                            # rejected: observe)
 ZERO_TIMING = 8            # in a run of decisions for 0 drafts, one step of every ZERO_TIMING is timed (and the one
@@ -189,6 +192,7 @@ class CostPolicy(FixedPolicy):
         self._run_k = 0                                # ... and how many decisions in a row chose it
         self._retry: Optional[Retry] = None
         self._standing: Optional[Standing] = None
+        self._zero_stand = REDECIDE                    # steps the next standing decision for 0 stands
         self.times_next_step = True
 
     @property
@@ -291,7 +295,11 @@ class CostPolicy(FixedPolicy):
         # stale estimates would keep it there longer
 
         stands = settled and self._retry is None and (not k or k == prev == kmax)
-        self._standing = Standing(key, k, resume, (REDECIDE_DRAFTING if k else REDECIDE) - 1) if stands else None
+        # 0 again, re-derived in the same batch: it stands twice as long (nothing but the batch changes at 0)
+        self._zero_stand = min(2 * self._zero_stand, REDECIDE_ZERO_MAX) if stands and not k and prev == 0 and \
+            st is not None and st.batch == key else REDECIDE
+        self._standing = Standing(key, k, resume, (REDECIDE_DRAFTING if k else self._zero_stand) - 1) \
+            if stands else None
         return k, resume
 
     def _decide(self, rows: Sequence["DraftInput"], caps: list[int], kmax: int, B: int, b: int, n: int,
