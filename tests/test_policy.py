@@ -368,20 +368,26 @@ def test_a_run_at_zero_drafts_times_few_of_its_steps_and_still_learns_their_cost
     assert sim1.chosen[40:].count(3) >= 130 and sim1.timed >= 200 - sim1.chosen.count(0), sim1.chosen
 
 
-def test_a_decision_for_zero_that_comes_out_zero_again_stands_longer():
-    """Batch 16 at COSTS (0 pays): once 0 is re-derived in the same batch, it stands 8, then REDECIDE_ZERO_MAX
-    steps, so a long stretch at 0 re-derives it about once in REDECIDE_ZERO_MAX steps (re-tries aside), not once
-    in REDECIDE (each decision ~50 us of Python against a 0.2-0.4 ms step)."""
-    tgt, drf = per_row(COSTS[16][0]), per_row(COSTS[16][1])
+def deciding_sim(B, accept, **kw):
+    """A SimEngine at COSTS[B] under the cost policy, and the list of the steps at which the policy decided anew
+    (_decide ran) rather than kept a standing decision."""
     p = DraftLenPolicy(3, DraftLimits(3), "cost")
-    decided = []
+    decided: list[int] = []
     real = p._decide
+    sim = SimEngine(p, B, per_row(COSTS[B][0]), per_row(COSTS[B][1]), accept, **kw)
 
     def counting(*a):
         decided.append(len(sim.chosen))
         return real(*a)
     p._decide = counting
-    sim = SimEngine(p, 16, tgt, drf, lambda i: 0.9, seed=1)
+    return sim, decided
+
+
+def test_a_decision_for_zero_that_comes_out_zero_again_stands_longer():
+    """Batch 16 at COSTS (0 pays): once 0 is re-derived in the same batch, it stands 8, then REDECIDE_ZERO_MAX
+    steps, so a long stretch at 0 re-derives it about once in REDECIDE_ZERO_MAX steps (re-tries aside), not once
+    in REDECIDE (each decision ~50 us of Python against a 0.2-0.4 ms step)."""
+    sim, decided = deciding_sim(16, lambda i: 0.9, seed=1)
     sim.run(500)
     assert sim.chosen[100:].count(0) >= 370, sim.chosen
     late = [i for i in decided if i >= 100]
@@ -445,16 +451,7 @@ def test_the_largest_count_stands_until_a_row_rejects_every_draft():
     """Batch 1 at acceptance 1.0 except in step 150 (every draft rejected): once 3 (the largest) is chosen twice
     in a row the decision stands REDECIDE_DRAFTING steps, so about one step in REDECIDE_DRAFTING re-derives it
     (each costs ~40 us of Python); a step whose drafts are all rejected ends the standing at once."""
-    tgt, drf = per_row(COSTS[1][0]), per_row(COSTS[1][1])
-    p = DraftLenPolicy(3, DraftLimits(3), "cost")
-    decided = []
-    real = p._decide
-
-    def counting(*a):
-        decided.append(len(sim.chosen))
-        return real(*a)
-    p._decide = counting
-    sim = SimEngine(p, 1, tgt, drf, lambda i: 0.0 if i == 150 else 1.0, seed=4, tokens=100000)
+    sim, decided = deciding_sim(1, lambda i: 0.0 if i == 150 else 1.0, seed=4, tokens=100000)
     sim.run(200)
     assert sim.chosen[40:150].count(3) >= 90, sim.chosen      # 3, but for the re-tries of other counts
     # among the steps at 3 after two at 3, one in REDECIDE_DRAFTING decides (before: every one)
