@@ -56,6 +56,34 @@ def test_batched_equals_one_at_a_time(models, tiny1_dir, tiny3_dir, make_llm, sp
         assert llm.engine.stats.num_draft_accepted > 0
 
 
+def test_prefill_asks_for_the_last_outputs_only_where_nothing_reads_the_others(tiny3_model):
+    """Without MTP nothing reads a prompt position's hidden state but the last one's: the runner asks the forward for
+    each row's last output (chunked prompts and decode rows alike), unless a row wants prompt logprobs; with MTP it
+    asks for every output (the MTP forward reads each prompt position's). Greedy text and prompt logprobs are the
+    same numbers either way."""
+    asked: list[str] = []
+    ps = [greedy(6), greedy(6, prompt_logprobs=2)]
+    results = {}
+    for nextn in (0, 2):
+        eng = make_engine(tiny3_model, nextn=nextn, max_batch_size=2, enable_chunked_prefill=True,
+                          max_num_tokens=8)
+        forward = eng.paths.runner.path.forward
+
+        def spying(ids, meta, caches, outputs="all", forward=forward):
+            asked.append((nextn, outputs))
+            return forward(ids, meta, caches, outputs)
+        eng.paths.runner.path.forward = spying
+        asked.clear()
+        seqs = run_to_end(eng, PROMPTS[:2], greedy(6))
+        assert {o for _, o in asked} == ({"last"} if nextn == 0 else {"all"}), asked
+        assert [s.output_ids for s in seqs] == [reference(tiny3_model, p, 6) for p in PROMPTS[:2]]
+        asked.clear()
+        results[nextn] = run_to_end(eng, PROMPTS[2:4], ps)
+        assert "all" in {o for _, o in asked}, asked            # a batch with a prompt-logprobs row
+    for a, b in zip(results[0], results[2]):
+        assert a.output_ids == b.output_ids and a.returned.prompt_logprobs == b.returned.prompt_logprobs
+
+
 def test_staggered_arrivals_equal_one_at_a_time(tiny3_model):
     """In-flight batching: a new request joins every step while the others are decoding."""
     model = tiny3_model

@@ -154,10 +154,11 @@ class Engine:
         policy = self._make_policy(draft_len)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, draft_len + 1),
                                    draft_len, cfg.enable_chunked_prefill, policy=policy)
-        runner = ModelRunner(forward_path, self.caches, kv.tokens_per_block, device)
         self.spec = Drafting(draft_len, acceptance, policy,
                              drafter if drafter is not None else make_drafter(model, forward_path, self.caches,
                                                                               kv.tokens_per_block, spec))
+        runner = ModelRunner(forward_path, self.caches, kv.tokens_per_block, device,
+                             keep_hidden=self.spec.drafter is not None)
         mode = spec.resolved_mode(model.num_mtp_modules) if draft_len and model.num_mtp_modules else None
         self.scheduler.reuse = ReusePolicy.for_drafting(mode, draft_len)
         self.iter_log = iter_log

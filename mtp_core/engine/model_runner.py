@@ -17,7 +17,8 @@ from mtp_core.speculative.verifier import Acceptance, VerifyResult, verify
 
 @dataclass
 class TargetOutput:
-    hidden: list[torch.Tensor]        # per row [n_row, H]: main hidden after the final norm
+    hidden: list[torch.Tensor]        # per row [n_row, H]: main hidden after the final norm ([1, H], the row's
+                                      # last, where the runner keeps no hidden states: ModelRunner.keep_hidden)
     logits: list[torch.Tensor | None] # per row: [K+1, V] decode, [1, V] final prefill chunk, None otherwise
     # per row: [n_row, V] over a prefill chunk whose request wants prompt logprobs (a call of its own, so the
     # other rows' logits do not change), None otherwise; None: no such row
@@ -25,8 +26,15 @@ class TargetOutput:
 
 
 class ModelRunner:
-    def __init__(self, path: ForwardPath, caches: list[torch.Tensor], tokens_per_block: int, device: str) -> None:
+    def __init__(self, path: ForwardPath, caches: list[torch.Tensor], tokens_per_block: int, device: str,
+                 keep_hidden: bool = True) -> None:
         self.path, self.caches, self.tokens_per_block, self.device = path, caches, tokens_per_block, device
+        # whether anything reads the hidden states of every position (a drafter: the MTP forward reads each
+        # prompt position's); if not, a batch whose rows need only their last position's (one-token decode
+        # rows, prompt chunks without prompt logprobs) asks the forward for those alone, and the native path
+        # runs its last layer past the KV write at those positions only, as llama.cpp skips the rows of its
+        # last layer that no output reads
+        self.keep_hidden = keep_hidden
 
     def prepare(self, rows: list[ScheduledRow]) -> AttentionMetadata:
         """Host-side inputs of a step: positions, slots, padded index maps (no token ids needed)."""
@@ -38,8 +46,10 @@ class ModelRunner:
     def execute(self, rows: list[ScheduledRow], meta: AttentionMetadata | None = None) -> TargetOutput:
         meta = meta if meta is not None else self.prepare(rows)
         ids = torch.tensor([t for r in rows for t in r.token_ids], dtype=torch.long, device=self.device)
-        hidden = self.path.forward(ids, meta, self.caches)                          # [T, H]
-        per_row = list(hidden.split([len(r.token_ids) for r in rows]))
+        last = not self.keep_hidden and all(len(r.token_ids) == 1 if not r.is_prefill else
+                                            not r.seq.wants_prompt_logprobs for r in rows)
+        hidden = self.path.forward(ids, meta, self.caches, "last" if last else "all")   # [T or B, H]
+        per_row = list(hidden.split(1 if last else [len(r.token_ids) for r in rows]))
         # one lm_head call for every position whose logits are needed
         wanted = [h if not r.is_prefill else h[-1:] for r, h in zip(rows, per_row)
                   if not r.is_prefill or r.is_final_chunk]

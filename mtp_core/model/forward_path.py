@@ -25,10 +25,11 @@ from mtp_core.model.attention_metadata import AttentionMetadata
 from mtp_core.model.deepseek_v3 import DeepseekV3ForCausalLM
 
 
-# The rows an MTP forward returns: every position's, each row's last position's ([B, H]: the one a draft
-# starts from), or none (None: the forward only fills the module's cache). The native path skips, at the positions
-# it leaves out, everything after the module's KV write (decode_forward.h: Outputs).
-MtpOutputs = Literal["all", "last", "none"]
+# The rows a forward returns: every position's, each row's last position's ([B, H]: the one a draft starts from,
+# or a prompt's whose other hidden states nobody keeps), or none (None: the forward only fills the caches). The
+# native path skips, at the positions it leaves out, everything of the last layer after its KV write
+# (decode_forward.h: Outputs).
+RowOutputs = Literal["all", "last", "none"]
 
 
 def row_ends(meta: AttentionMetadata) -> list[int]:
@@ -36,14 +37,20 @@ def row_ends(meta: AttentionMetadata) -> list[int]:
     return [e - 1 for e in meta.query_start[1:]]
 
 
+def _rows_of(out: torch.Tensor, meta: AttentionMetadata, outputs: RowOutputs) -> Optional[torch.Tensor]:
+    """A forward's every output -> the rows `outputs` says (the torch path computes them all)."""
+    return out if outputs == "all" else out[row_ends(meta)] if outputs == "last" else None
+
+
 class ForwardPath(Protocol):
     name: str
 
-    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]) -> torch.Tensor:
-        """The target model: ids [T] -> hidden [T, H] after the final norm."""
+    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor],
+                outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
+        """The target model: ids [T] -> hidden [T, H] after the final norm, of the rows `outputs` says."""
 
     def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                    caches: list[torch.Tensor], outputs: MtpOutputs = "all") -> Optional[torch.Tensor]:
+                    caches: list[torch.Tensor], outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
         """MTP module k: (ids [T], hidden [T, H]) -> h_out [T, H], of the rows `outputs` says."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -82,13 +89,13 @@ class TorchForward:
         self.draft_ids = None if draft_vocab is None else draft_vocab.to(dev)
         self.draft_head = None if draft_vocab is None else draft_head_rows(model, draft_vocab)
 
-    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]) -> torch.Tensor:
-        return self.model(ids, meta, caches)
+    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor],
+                outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
+        return _rows_of(self.model(ids, meta, caches), meta, outputs)
 
     def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                    caches: list[torch.Tensor], outputs: MtpOutputs = "all") -> Optional[torch.Tensor]:
-        out = self.model.mtp_forward(k, ids, hidden, meta, caches)
-        return out if outputs == "all" else out[row_ends(meta)] if outputs == "last" else None
+                    caches: list[torch.Tensor], outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
+        return _rows_of(self.model.mtp_forward(k, ids, hidden, meta, caches), meta, outputs)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

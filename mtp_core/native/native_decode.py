@@ -24,7 +24,7 @@ from mtp_core import kernels
 from mtp_core.config import runtime
 from mtp_core.loader.quant.linear import Fp8BlockLinear, Nvfp4Linear
 from mtp_core.model.attention_metadata import AttentionMetadata
-from mtp_core.model.forward_path import MtpOutputs
+from mtp_core.model.forward_path import RowOutputs
 from mtp_core.model.layers import MLP
 from mtp_core.model.moe import MoE
 from mtp_core.native.native_weights import NativeWeights, build_native_weights, choose_layout, draft_head
@@ -33,7 +33,7 @@ log = logging.getLogger("mtp.model")
 
 MAX_TOKENS = 16384    # tokens per op call (bounds its work buffers); a larger batch runs as several calls
 _LINEARS = (nn.Linear, Fp8BlockLinear, Nvfp4Linear)
-_OUTPUTS = {"all": 0, "last": 1, "none": 2}    # MtpOutputs as decode_forward's `outputs`
+_OUTPUTS = {"all": 0, "last": 1, "none": 2}    # RowOutputs as decode_forward's `outputs`
 
 
 def direct_op(packet: Any) -> Callable:
@@ -127,9 +127,9 @@ class NativeDecoder:
     # ---- serving -------------------------------------------------------------------------
     def _call(self, first: int, num: int, ids: torch.Tensor, hidden: Optional[torch.Tensor],
               caches: list[torch.Tensor], meta: AttentionMetadata, final_norm: bool,
-              outputs: MtpOutputs = "all") -> Optional[torch.Tensor]:
+              outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
         """Layers first..first+num-1 over the batch (host metadata: AttentionMetadata.build), float32 out whatever
-        the weights: MTP inputs and logits see the unrounded hidden state. outputs: forward_path.MtpOutputs."""
+        the weights: MTP inputs and logits see the unrounded hidden state. outputs: forward_path.RowOutputs."""
         if meta.query_start_i32 is None:
             raise ValueError("the native forward needs host metadata (AttentionMetadata.build), not uniform()")
         if meta.query_start[-1] > self.max_tokens:
@@ -146,14 +146,16 @@ class NativeDecoder:
                               meta.seqlens_i32, final_norm, _OUTPUTS[outputs])
         return None if outputs == "none" else out
 
-    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]) -> torch.Tensor:
-        """The target model over a batch: ids [T] -> hidden [T, H] float32 after the final norm."""
-        return self._call(0, self.num_main, ids, None, caches[:self.num_main], meta, True)
+    def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor],
+                outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
+        """The target model over a batch: ids [T] -> hidden [T, H] float32 after the final norm, of the rows
+        `outputs` says (forward_path.RowOutputs)."""
+        return self._call(0, self.num_main, ids, None, caches[:self.num_main], meta, True, outputs)
 
     def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                    caches: list[torch.Tensor], outputs: MtpOutputs = "all") -> Optional[torch.Tensor]:
+                    caches: list[torch.Tensor], outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
         """MTP module k: (ids [T], hidden [T, H]) -> h_out [T, H] after its shared-head norm, of the rows
-        `outputs` says (forward_path.MtpOutputs)."""
+        `outputs` says (forward_path.RowOutputs)."""
         layer = self.num_main + k
         return self._call(layer, 1, ids, hidden.contiguous(), [caches[layer]], meta, False, outputs)
 

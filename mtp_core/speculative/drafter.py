@@ -23,7 +23,7 @@ from typing import Any, Optional, Protocol
 import torch
 
 from mtp_core.model import AttentionMetadata, DeepseekV3ForCausalLM
-from mtp_core.model.forward_path import ForwardPath, MtpOutputs, draft_tokens
+from mtp_core.model.forward_path import ForwardPath, RowOutputs, draft_tokens
 from mtp_core.native.native_decode import NativeDecoder
 from mtp_core.request.sequence import Sequence
 
@@ -63,7 +63,7 @@ class _MTPRunner:
                                         self.caches)
 
     def run(self, module: int, positions: list[list[int]], tokens: list[list[int]], hidden: torch.Tensor,
-            tables: list[list[int]], outputs: MtpOutputs = "all") -> Optional[torch.Tensor]:
+            tables: list[list[int]], outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
         """hidden [T, H] aligned with the flattened tokens -> module output [T, H] (outputs "last": [rows, H] at
         each row's last position; "none": None, the module's cache written only)."""
         meta = AttentionMetadata.build(positions, tables, self.tokens_per_block, device=hidden.device)
