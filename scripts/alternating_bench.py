@@ -7,7 +7,8 @@ VM whose speed moves by 10-30% within minutes, where separate `mtp bench` runs c
 
 One engine per setting, all on the shipped model (or --model_dir), 1 thread: n0 (nextn=0), default (MTP K = 3 as
 the README turns it on: cost policy, auto mode), k0 (the same with every decision forced to 0 drafts: a step at 0
-drafts, whatever the policy would choose), k1 / k2 / k3 (fixed Eagle counts). Each round gives every engine the
+drafts, whatever the policy would choose), kept (the default making every prompt position's hidden state at
+prefill, as before deferred prompts left their last layer for later), k1 / k2 / k3 (fixed Eagle counts). Each round gives every engine the
 same chunk of prompts (a new chunk each round; 128 tokens, EOS ignored) through `LLM.generate`, in an order that
 rotates by round; an engine keeps its state across rounds (its policy learns as a server's would). Prints each
 setting's tokens/s over all rounds, its total and median-round speed over the first setting's, and the draft
@@ -35,6 +36,7 @@ SETTINGS = {
     "n0": None,
     "default": dict(num_nextn_predict_layers=3),
     "k0": dict(num_nextn_predict_layers=3),
+    "kept": dict(num_nextn_predict_layers=3),
     **{f"k{k}": dict(num_nextn_predict_layers=k, draft_len_policy="fixed", mtp_mode="eagle") for k in (1, 2, 3)},
 }
 
@@ -45,6 +47,8 @@ def build(name: str, model_dir: str, batch: int) -> LLM:
                         max_batch_size=batch, num_threads=1))
     if name == "k0":
         llm.engine.spec.policy._decide = lambda *a: (0, True, True)    # every decision: 0 drafts, settled
+    if name == "kept":
+        llm.engine.paths.runner.split_prompts = None     # every prompt hidden state made at prefill, as before
     return llm
 
 
@@ -71,6 +75,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=128, ignore_eos=True)
     for llm in llms.values():
         llm.generate(ids[:8], params)                                 # warm-up
+        llm.engine.reset_prefix_cache()      # its prompts come again: they would count as prefixes that recur
     spent = {n: [] for n in names}
     for r in range(a.rounds):
         part = [ids[(r * a.chunk + i) % len(ids)] for i in range(a.chunk)]

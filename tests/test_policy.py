@@ -716,6 +716,70 @@ def test_a_deferred_prompt_catches_up_when_its_request_first_drafts(models, ckpt
     assert eng.stats.num_draft_proposed > 0
 
 
+@pytest.mark.parametrize("path", ["native", "torch"])
+@pytest.mark.parametrize("ckpt,mode,chunked", [("tiny1", "eagle", False), ("tiny1", "eagle", True),
+                                               ("tiny3", "vanilla", True)])
+def test_a_deferred_prompt_runs_its_last_layer_only_once_its_request_drafts(models, monkeypatch, ckpt, mode,
+                                                                            chunked, path):
+    """Under the cost policy a prompt whose MTP forward is deferred leaves its hidden states Unfinished: the
+    target's last layer runs past its KV write at each row's last position only, and the rest of it runs when the
+    request first drafts (ModelRunner.finish). Every step's drafts, the outputs and, after the catch-up, every
+    cache are those of the same engine keeping every prompt hidden state at prefill (bitwise: the same
+    numbers), on the native path (the catch-up inside the fused step) and the torch path, with whole and chunked
+    prompts (batches of prompt chunks and one-token decode rows); a request that never drafts never runs it."""
+    from mtp_core.request.mtp_state import Unfinished
+    from test_mtp_decoding import _check_caches
+
+    if path == "torch":
+        monkeypatch.setenv("MTP_CORE_NATIVE_DECODE", "0")
+        monkeypatch.setattr(models[ckpt], "native", None)
+        monkeypatch.setattr(models[ckpt], "decode_fused", False)
+    model, K, prompts = models[ckpt], 3, (PROMPTS[3], PROMPTS[5], PROMPTS[4])
+    params = [greedy(24), greedy(24), greedy(6)]
+    runs = {}
+    for split in (True, False):
+        script = [(0, True)] * 3 + [(3, True), (1, True), (2, True)]
+        eng = scripted(make_engine(model, nextn=K, mode=mode, tokens_per_block=4, block_reuse=False,
+                                   max_batch_size=3, enable_chunked_prefill=chunked, max_num_tokens=8 if chunked
+                                   else 8192, spec=dict(draft_len_policy="cost"),
+                                   overlap_scheduler_on_cpu=path == "torch"),    # native: the fused step too
+                       script, defer_prompts=True)
+        assert eng.paths.forward_path.name == path and (eng.paths.native_step is not None) == (path == "native")
+        runner = eng.paths.runner
+        if not split:
+            runner.split_prompts = None
+        mixed, splits = [], runner._splits       # split batches that hold one-token decode rows too
+        runner._splits = lambda rows: splits(rows) and (mixed.append(not all(r.is_prefill for r in rows)) or True)
+        finished, finish = [], eng.paths.runner.finish
+        eng.paths.runner.finish = lambda seq, u: finished.append(seq.request_id) or finish(seq, u)
+        if eng.paths.native_step is not None:       # a catch-up inside the fused native step finishes there
+            eng.paths.native_step.finish = lambda seq, u: finished.append(("fused", seq.request_id)) or finish(seq, u)
+        seqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:2], params)]
+        drafts, unfinished, checked = [], 0, False
+        while eng.has_unfinished() or len(seqs) < 3:
+            if not eng.has_unfinished():     # the third request comes after the others, into steps at 0
+                eng.spec.policy._decide = lambda *a: (0, True, False)
+                seqs.append(eng.add_request(prompts[2], params[2]))
+            eng.step()
+            unfinished += sum(any(isinstance(h, Unfinished) for h in s.mtp.pending or ()) for s in seqs)
+            drafts.append([list(s.mtp.drafts) for s in seqs])
+            if not checked and all(s.stats.num_draft_proposed and s.mtp.pending is None for s in seqs[:2]):
+                _check_caches(model, eng, seqs[:2], mode, K)
+                checked = True
+        assert checked
+        for p, s, sp in zip(prompts, seqs, params):
+            assert s.output_ids == reference(model, p, sp.max_tokens)
+        assert seqs[2].stats.num_draft_proposed == 0 and seqs[2].request_id not in finished
+        ids = {f[1] if isinstance(f, tuple) else f for f in finished}
+        assert (unfinished > 0 and ids == {s.request_id for s in seqs[:2]}) if split else \
+            (unfinished == 0 and not finished)
+        if split and path == "native" and not chunked:   # the catch-up ran inside the fused step
+            assert all(isinstance(f, tuple) for f in finished), finished
+        assert any(mixed) == (split and chunked), mixed
+        runs[split] = drafts
+    assert runs[True] == runs[False]
+
+
 @pytest.mark.parametrize("ckpt,mode", [("tiny1", "eagle"), ("tiny3", "vanilla")])
 def test_a_deferred_prompt_still_shares_its_full_blocks(models, ckpt, mode):
     """Prefix caching with the cost policy, prompts seen to share prefixes: a request that never drafts (its

@@ -556,7 +556,7 @@ struct Forward {
 
 void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_layers, const int64_t* tok,
                     const float* mtp_hidden, const std::vector<at::Tensor>& caches, const Batch& b, bool final_norm,
-                    float* out, Outputs outputs) {
+                    float* out, Outputs outputs, const float* x_in) {
   const DecodeDims& d = W.dims();
   const int64_t T = b.T, H = d.H, R = d.R, P = d.P, nh = d.heads;
   if (T == 0) return;
@@ -654,7 +654,9 @@ void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_lay
     {
       const auto [t0, t1] = tm.split(T);
       for (int64_t t = t0; t < t1; ++t) {
-        if (W.embed().type == cpu::kBF16) {
+        if (x_in != nullptr) {
+          std::memcpy(w.x.get() + t * H, x_in + t * H, sizeof(float) * H);
+        } else if (W.embed().type == cpu::kBF16) {
           for (int64_t i = 0; i < H; ++i) w.x[t * H + i] = static_cast<float>(emb_b[tok[t] * H + i]);
         } else {
           std::memcpy(w.x.get() + t * H, emb_f + tok[t] * H, sizeof(float) * H);
@@ -802,6 +804,10 @@ at::Tensor decode_forward_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, 
   if (mtp) {
     TORCH_CHECK(mtp_hidden.has_value() && mtp_hidden->numel() == T * H, "decode_forward: an MTP layer needs hidden [T, H]");
     hid = mtp_hidden->to(at::kFloat).contiguous();
+  } else if (mtp_hidden.has_value() && mtp_hidden->defined()) {   // main layers from a given residual stream
+    TORCH_CHECK(mtp_hidden->dim() == 2 && mtp_hidden->size(0) == T && mtp_hidden->size(1) == H,
+                "decode_forward: main layers' input must be [T, H] (T = ", T, ")");
+    hid = mtp_hidden->to(at::kFloat).contiguous();
   }
   if (which == Outputs::kLast)
     for (int64_t r = 0; r < b.B; ++r)
@@ -812,7 +818,8 @@ at::Tensor decode_forward_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, 
   if (T == 0) return out;
   const std::vector<at::Tensor> cache_list(caches.begin(), caches.end());
   forward_layers(W, first_layer, num_layers, ids.data_ptr<int64_t>(), mtp ? hid.data_ptr<float>() : nullptr,
-                 cache_list, b, final_norm, out.data_ptr<float>(), which);
+                 cache_list, b, final_norm, out.data_ptr<float>(), which,
+                 !mtp && hid.defined() ? hid.data_ptr<float>() : nullptr);
   return out;
 }
 
@@ -892,7 +899,8 @@ TORCH_LIBRARY_FRAGMENT(mtp_core, m) {
       .def("summary", &mtp_core::DecodeWeights::summary);
   // Native CPU decode forward: embeds ids [T], runs layers [first_layer, first_layer + num_layers) over the
   // paged latent caches (one per layer, written in place at slot_mapping; an MTP module's layer takes
-  // mtp_hidden [T, H]), optionally the final norm -> hidden [T, H] float32; outputs 1: each row's last token's
+  // mtp_hidden [T, H]; main layers given mtp_hidden start from it, the residual stream entering first_layer,
+  // instead of the embedding of ids), optionally the final norm -> hidden [T, H] float32; outputs 1: each row's last token's
   // only ([B, H]; every row feeds one or more), 2: none ([0, H], the caches alone) (decode_forward.h: Outputs).
   m.def(
       "decode_forward(__torch__.torch.classes.mtp_core.DecodeWeights weights, int first_layer, int num_layers, "

@@ -36,12 +36,13 @@ struct Batch {
 enum class Outputs { kAll, kLast, kNone };
 
 // Layers [first_layer, first_layer + num_layers) over the batch (the caches, one per layer, written at
-// b.slots); tok [T] the token ids, mtp_hidden [T, H] for an MTP module's layer; out fp32 after the final norm
-// (final_norm) or the last layer, of the tokens `outputs` says. Inputs must have been checked (nothing inside
-// throws).
+// b.slots); tok [T] the token ids, mtp_hidden [T, H] for an MTP module's layer; x_in [T, H] (main layers): the
+// residual stream entering first_layer, instead of the embedding of tok (a forward split before its last layer,
+// whose rest runs later); out fp32 after the final norm (final_norm) or the last layer, of the tokens `outputs`
+// says. Inputs must have been checked (nothing inside throws).
 void forward_layers(const DecodeWeights& W, int64_t first_layer, int64_t num_layers, const int64_t* tok,
                     const float* mtp_hidden, const std::vector<at::Tensor>& caches, const Batch& b, bool final_norm,
-                    float* out, Outputs outputs = Outputs::kAll);
+                    float* out, Outputs outputs = Outputs::kAll, const float* x_in = nullptr);
 
 // logits y [T, vocab] = x [T, H] @ lm_head^T, batch-invariant, on the thread team.
 void lm_head(const DecodeWeights& W, const float* x, int64_t T, float* y);

@@ -157,8 +157,7 @@ class Engine:
         self.spec = Drafting(draft_len, acceptance, policy,
                              drafter if drafter is not None else make_drafter(model, forward_path, self.caches,
                                                                               kv.tokens_per_block, spec))
-        runner = ModelRunner(forward_path, self.caches, kv.tokens_per_block, device,
-                             keep_hidden=self.spec.drafter is not None)
+        runner = self._make_runner(forward_path)
         mode = spec.resolved_mode(model.num_mtp_modules) if draft_len and model.num_mtp_modules else None
         self.scheduler.reuse = ReusePolicy.for_drafting(mode, draft_len)
         self.iter_log = iter_log
@@ -174,10 +173,24 @@ class Engine:
         # a static step's padded rows hold one block of the pool for good
         self.pool_tokens = (num_blocks - (graphs is not None)) * kv.tokens_per_block
         self.grammar = Grammars()
+        self._make_routes(graphs, native_step)
+
+    def _make_runner(self, forward_path: ForwardPath) -> ModelRunner:
+        """The general path's runner. Without a drafter nothing reads a prompt's hidden states but the last; under a
+        policy that defers prompts' MTP forwards, a prompt's stay Unfinished until its request drafts (unless
+        prompts share prefixes: a shared block needs its MTP entries now, backlog.propose)."""
+        runner = ModelRunner(forward_path, self.caches, self.blocks.tokens_per_block, self.cfg.device,
+                             keep_hidden=self.spec.drafter is not None)
+        if self.spec.drafter is not None and self.spec.policy.defers_prompts() and self.model.num_main_layers > 1:
+            runner.split_prompts = lambda: not self._shared_block()
+            runner.split_max_len = backlog.MAX_MTP_LAG // 2
+        return runner
+
+    def _make_routes(self, graphs, native_step) -> None:
+        """The routes a step can take (engine/step.py), in order: the fused step where the batch allows, else the
+        general path, which takes any batch."""
         if native_step is not None:
-            native_step.bind(self.stops)
-        # the routes a step can take (engine/step.py), in order: the fused step where the batch allows, else the
-        # general path, which takes any batch
+            native_step.bind(self.stops, self.paths.runner.finish)
         self.paths.routes = [FusedRoute(f) for f in (graphs, native_step) if f is not None]
         self.paths.routes += [NativeTargetRoute(native_step)] if native_step is not None else []
         self.paths.routes.append(GeneralRoute(self))
@@ -379,15 +392,18 @@ class Engine:
         # a step of one token per row (every row verified no draft): its output holds only states that rows
         # which skip drafting keep, so they may keep views of it instead of copies
         views_ok = all(not r.is_prefill and len(r.token_ids) == 1 for r in step.rows)
-        # prefix caching shares only blocks whose MTP entries are written: once prompts are seen to share prefixes,
-        # a deferred prompt still fills its full ones (scheduler.recurrence)
-        sch = self.scheduler
-        shared = self.blocks.tokens_per_block if self.blocks.enable_reuse and sch.reuse.mtp and sch.recurrence.seen \
-            else 0
-        propose = partial(backlog.propose, self.spec.drafter, inputs, views_ok, self.spec.policy.defers_prompts(), shared)
+        propose = partial(backlog.propose, self.spec.drafter, inputs, views_ok, self.spec.policy.defers_prompts(),
+                          self._shared_block(), self.paths.runner.finish)
         if self.paths.overlap is not None and any(i.needs_drafts for i in inputs):
             return self.paths.overlap.while_drafting(propose)
         return propose()
+
+    def _shared_block(self) -> int:
+        """Prefix caching shares only blocks whose MTP entries are written: once prompts are seen to share prefixes
+        (scheduler.recurrence), a deferred prompt still fills its full ones (the pool's tokens per block), else 0."""
+        sch = self.scheduler
+        return self.blocks.tokens_per_block if self.blocks.enable_reuse and sch.reuse.mtp and sch.recurrence.seen \
+            else 0
 
     def _store_drafts(self, inputs: list[DraftInput], drafts: list[list[int]]) -> None:
         """Keeps each row's drafts for the next step and drops the KV blocks past its valid length (unless the

@@ -67,10 +67,12 @@ class NativeStep:
         self.num_replays = 0                                 # steps run whole by run()
         # what the rows that need their logits need from the engine (bind): its stop tokens and <think> / </think>
         self.stops = Stops(set(), None, 0)
+        # how a deferred prompt's Unfinished states are finished before a catch-up reads them (ModelRunner.finish)
+        self.finish: Optional[backlog.Finish] = None
         self._limits: Optional[tuple[list[ScheduledRow], list[int]]] = None   # step_for's, for run()
 
-    def bind(self, stops: Stops) -> None:
-        self.stops = stops
+    def bind(self, stops: Stops, finish: Optional[backlog.Finish] = None) -> None:
+        self.stops, self.finish = stops, finish
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
         """self when every row is a greedy strict decode row and every row that drafts has the stored states its
@@ -154,6 +156,7 @@ class NativeStep:
             if not w:
                 continue
             ids.extend(r.seq.all_ids[r.start - w + 1: r.start + 1])
+            backlog.finish_pending(r.seq, self.finish)
             parts = ([mtp.window_hidden] if self.vanilla and mtp.window_hidden is not None else []) + \
                 backlog.held_states(mtp)
             states = torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -84,11 +84,16 @@ class DeepseekV3ForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids [T] -> hidden [T, hidden] after the final norm: the torch path (an engine may serve its
         forwards natively instead: forward_path.py)."""
-        cos, sin = self.rope.cos_sin(meta.positions)
-        x = self.model.embed_tokens(input_ids)
-        for i in range(self.num_main_layers):
-            x = self.model.layers[i].block(x, self.rope, cos, sin, meta, kv_caches[i])
+        x = self.layers_from(0, self.num_main_layers, self.model.embed_tokens(input_ids), meta, kv_caches)
         return self.model.norm(x)
+
+    def layers_from(self, first: int, num: int, x: torch.Tensor, meta: AttentionMetadata,
+                    kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Main layers first..first+num-1 over the residual stream x [T, hidden] (kv_caches: every main layer's)."""
+        cos, sin = self.rope.cos_sin(meta.positions)
+        for i in range(first, first + num):
+            x = self.model.layers[i].block(x, self.rope, cos, sin, meta, kv_caches[i])
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""

@@ -49,6 +49,18 @@ class ForwardPath(Protocol):
                 outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
         """The target model: ids [T] -> hidden [T, H] after the final norm, of the rows `outputs` says."""
 
+    def forward_split(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target model, its last layer run past the KV write only at each row's last position: (the residual
+        stream entering the last layer [T, H], hidden [B, H] after the final norm at each row's last position).
+        `forward_last_layer` over the residual later gives the other positions' hidden states, the same numbers
+        `forward` gives (a deferred prompt's, for its MTP forward: speculative/backlog.py)."""
+
+    def forward_last_layer(self, x: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]
+                           ) -> torch.Tensor:
+        """The target's last layer and final norm from its input residual stream x [T, H] (forward_split's),
+        at the same positions -> hidden [T, H] (the layer's KV entries are written again, with the same values)."""
+
     def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                     caches: list[torch.Tensor], outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
         """MTP module k: (ids [T], hidden [T, H]) -> h_out [T, H], of the rows `outputs` says."""
@@ -92,6 +104,17 @@ class TorchForward:
     def forward(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor],
                 outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
         return _rows_of(self.model(ids, meta, caches), meta, outputs)
+
+    def forward_split(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        m = self.model
+        x = m.layers_from(0, m.num_main_layers - 1, m.model.embed_tokens(ids), meta, caches)
+        return x, self.forward_last_layer(x, meta, caches)[row_ends(meta)]
+
+    def forward_last_layer(self, x: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]
+                           ) -> torch.Tensor:
+        m = self.model
+        return m.model.norm(m.layers_from(m.num_main_layers - 1, 1, x, meta, caches))
 
     def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                     caches: list[torch.Tensor], outputs: RowOutputs = "all") -> Optional[torch.Tensor]:

@@ -152,6 +152,20 @@ class NativeDecoder:
         `outputs` says (forward_path.RowOutputs)."""
         return self._call(0, self.num_main, ids, None, caches[:self.num_main], meta, True, outputs)
 
+    def forward_split(self, ids: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_path.ForwardPath.forward_split: two calls, the layers before the last (every position's residual
+        stream out), then the last layer from it with each row's last output (decode_forward.h: Outputs)."""
+        last = self.num_main - 1
+        x = self._call(0, last, ids, None, caches[:last], meta, False)
+        return x, self._call(last, 1, ids, x, caches[last:self.num_main], meta, True, "last")
+
+    def forward_last_layer(self, x: torch.Tensor, meta: AttentionMetadata, caches: list[torch.Tensor]
+                           ) -> torch.Tensor:
+        last = self.num_main - 1
+        ids = torch.zeros(len(x), dtype=torch.long)     # unread: the layer starts from x
+        return self._call(last, 1, ids, x.contiguous(), caches[last:self.num_main], meta, True)
+
     def mtp_forward(self, k: int, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
                     caches: list[torch.Tensor], outputs: RowOutputs = "all") -> Optional[torch.Tensor]:
         """MTP module k: (ids [T], hidden [T, H]) -> h_out [T, H] after its shared-head norm, of the rows

@@ -8,15 +8,36 @@ import torch
 
 
 @dataclass
+class Unfinished:
+    """A deferred prompt chunk's main hidden states before the target's last layer ran past its KV write there
+    (ModelRunner, forward_split): the residual stream entering that layer, x [n, H], at positions [start,
+    start + n). `ModelRunner.finish` runs the rest of the layer, the same numbers a whole forward gives; nothing
+    runs it for a request that never drafts (speculative/backlog.py)."""
+    x: torch.Tensor
+    start: int
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, sl: slice) -> "Unfinished":
+        """The first positions (sl = [:n]), as the engine cuts a row's states to its valid length."""
+        assert isinstance(sl, slice) and sl.start is None and sl.step is None, "Unfinished cuts only [:n]"
+        return Unfinished(self.x[sl], self.start)
+
+    def clone(self) -> "Unfinished":
+        return Unfinished(self.x.clone(), self.start)
+
+
+@dataclass
 class MTPState:
     # the drafts: the engine stores them for the next step, the Vanilla drafter (or the native step) its window
     drafts: list[int] = field(default_factory=list)   # proposed for the next step
     window_hidden: Optional[torch.Tensor] = None   # Vanilla: the last K valid positions' main hidden [<=K, H]
     # the backlog of a row that skips drafting (speculative/backlog.py; the static steps keep it up to date)
     num_valid: int = 0           # positions 0..num_valid-1 hold valid MTP-cache entries (<= seq.kv.num_cached)
-    # main hidden states of positions num_valid..num_cached-1: [n, H] tensors or (a step's [B, H], row b) references
-    # (backlog.held_states reads them)
-    pending: Optional[list[Union[torch.Tensor, tuple[torch.Tensor, int]]]] = None
+    # main hidden states of positions num_valid..num_cached-1: [n, H] tensors, (a step's [B, H], row b) references,
+    # or a deferred prompt chunk's Unfinished states (backlog.held_states reads them, once finished)
+    pending: Optional[list[Union[torch.Tensor, tuple[torch.Tensor, int], Unfinished]]] = None
     is_off: bool = False         # drafting off for good (the lag outgrew backlog.MAX_MTP_LAG)
     # the acceptance window (adaptive.DraftLimits)
     accept_window: list[int] = field(default_factory=list)   # AL of the last decode steps that drafted

@@ -17,23 +17,46 @@ step emits x13 (new hidden [h12]) and the policy gives the row drafts again: for
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
-from mtp_core.request.mtp_state import MTPState
+from mtp_core.request.mtp_state import MTPState, Unfinished
+from mtp_core.request.sequence import Sequence
 from mtp_core.speculative.drafter import DraftInput, Drafter
+
+# runs the target's last layer over a deferred prompt chunk's residual stream -> its hidden states [n, H]
+# (ModelRunner.finish)
+Finish = Callable[[Sequence, Unfinished], torch.Tensor]
 
 MAX_MTP_LAG = 2048          # positions of main hidden states a row that skips drafting may keep
 
 def held_states(mtp: MTPState) -> list[torch.Tensor]:
-    """The row's kept main hidden states, oldest first, as [n, H] tensors (a row reference becomes its row)."""
+    """The row's kept main hidden states, oldest first, as [n, H] tensors (a row reference becomes its row); a
+    deferred prompt's must have been finished (`finish_row`)."""
+    assert not any(isinstance(h, Unfinished) for h in mtp.pending or ()), "finish_row before reading held states"
     return [h if isinstance(h, torch.Tensor) else h[0][h[1]:h[1] + 1] for h in mtp.pending or ()]
 
 
 def held_len(mtp: MTPState) -> int:
     """Positions of main hidden states the row keeps."""
-    return sum(len(h) if isinstance(h, torch.Tensor) else 1 for h in mtp.pending) if mtp.pending else 0
+    return sum(1 if isinstance(h, tuple) else len(h) for h in mtp.pending) if mtp.pending else 0
+
+
+def finish_pending(seq: Sequence, finish: Optional[Finish]) -> None:
+    """A row about to run its MTP forward over its kept states (a catch-up: the drafter here, or inside the fused
+    native step): the deferred prompt chunks among them get the target's last layer run over them (finish), in
+    the step whose catch-up reads them, so the policy's catch-up cost includes it."""
+    mtp = seq.mtp
+    if mtp.pending and any(isinstance(h, Unfinished) for h in mtp.pending):
+        mtp.pending = [finish(seq, h) if isinstance(h, Unfinished) else h for h in mtp.pending]
+
+
+def finish_row(inp: DraftInput, finish: Optional[Finish]) -> None:
+    """finish_pending, and the row's new states if they are a deferred prompt chunk's."""
+    finish_pending(inp.seq, finish)
+    if isinstance(inp.hidden, Unfinished):
+        inp.hidden = finish(inp.seq, inp.hidden)
 
 
 def hold_rows(mtps: list[MTPState], hidden: torch.Tensor, starts: list[int]) -> None:
@@ -80,7 +103,7 @@ def settle(mtp: MTPState, valid: int, drafted: bool, hidden: Optional[torch.Tens
 
 
 def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_prompts: bool = False,
-            shared_block: int = 0) -> list[list[int]]:
+            shared_block: int = 0, finish: Optional[Finish] = None) -> list[list[int]]:
     """Each row's next drafts (inp.max_drafts of them, chosen by the policy). Rows whose count is 0 skip the
     drafter and hold their states; rows that lag catch up in their first MTP forward. views_ok: the step's
     output holds nothing else worth freeing. defer_prompts (the cost policy): prompt chunks given no drafts hold
@@ -88,7 +111,8 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_pr
     does not), up to MAX_MTP_LAG / 2 positions (a longer prompt runs it now, so that the request can still draft
     later). shared_block (prefix caching on and prompts seen to share prefixes: the pool's tokens per block, else
     0): a deferred prompt still runs its MTP forward up to its last full block (no drafts), since only blocks
-    whose MTP entries are written can be shared with later requests; the rest of the prompt waits."""
+    whose MTP entries are written can be shared with later requests; the rest of the prompt waits. finish: how a
+    deferred prompt chunk's states are finished (`finish_row`) when its row runs the drafter."""
     drafts: list[list[int]] = [[] for _ in inputs]
     run: list[int] = []
     rest: dict[int, tuple[torch.Tensor, int]] = {}   # a deferred prompt's positions past its last full block
@@ -104,8 +128,10 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_pr
             if upto <= max(mtp.num_valid, inp.start):
                 settle(mtp, valid, False, inp.hidden, copy=True if prompt else not views_ok)
                 continue   # a decode row that skips drafting, or a prompt chunk whose MTP forward is deferred
+            finish_row(inp, finish)
             rest[n] = (inp.hidden[upto - inp.start:], valid)
             inp.hidden, inp.next_tokens = inp.hidden[:upto - inp.start], inp.next_tokens[:upto - inp.start]
+        finish_row(inp, finish)
         if mtp.pending and mtp.num_valid < inp.start:
             # the MTP caches lag (drafting skipped in earlier steps): cover the missing positions too
             end = inp.start + len(inp.next_tokens)
