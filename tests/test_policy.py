@@ -753,7 +753,8 @@ def test_a_deferred_prompt_runs_its_last_layer_only_once_its_request_drafts(mode
         finished, finish = [], eng.paths.runner.finish
         eng.paths.runner.finish = lambda seq, u: finished.append(seq.request_id) or finish(seq, u)
         if eng.paths.native_step is not None:       # a catch-up inside the fused native step finishes there
-            eng.paths.native_step.finish = lambda seq, u: finished.append(("fused", seq.request_id)) or finish(seq, u)
+            eng.paths.native_step.engine = eng.paths.native_step.engine._replace(
+                finish=lambda seq, u: finished.append(("fused", seq.request_id)) or finish(seq, u))
         seqs = [eng.add_request(p, sp) for p, sp in zip(prompts[:2], params)]
         drafts, unfinished, checked = [], 0, False
         while eng.has_unfinished() or len(seqs) < 3:

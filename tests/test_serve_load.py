@@ -6,7 +6,9 @@ in the running batch: --max_batch_size STREAMS), of which about a fifth leave af
 every stream has its first chunk (the prompts are prefilled, only decode steps run), BIG_PROMPTS prompts of
 1 MB arrive (the shipped model's context is 1,024 tokens: each is answered 400 from its length before it
 is tokenized). Checked every round: every surviving stream's text equals offline greedy, the KV pool is full
-again, the others' inter-token p99 while the big prompts arrive is at most twice their median; over the
+again, the others' inter-token p99 while the big prompts arrive is at most twice their median, or 1.5 times
+the p99 of the same streams in a round without big prompts just before (where the machine's own spread is
+wider than twice the median); over the
 rounds, neither process's resident memory grows. The latency criterion is the only one at the mercy of the
 machine's other work (the engine's step time swings with it): a round whose criterion fails is tried
 again, up to TRIES times, and no round may ever show a stall of a second (the issue saw 3.5 s).
@@ -22,6 +24,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
@@ -94,9 +97,11 @@ def _p(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _round(url: str, model: str, prompts: list[str], want: list[str], big_body: bytes, rng: random.Random,
-           rnd: int, attempt: int) -> bool:
-    """One round: every check but the latency one asserts; returns whether the latency criterion held."""
+def _round(url: str, model: str, prompts: list[str], want: list[str], big_body: Optional[bytes],
+           rng: random.Random, rnd: int, attempt: int) -> tuple[float, float]:
+    """One round, with the big prompts (big_body) or without them (None: the baseline of the streams' own spread):
+    every check but the latency one asserts; returns (the median of every decode-phase gap, the p99 of the gaps
+    while the big prompts arrived, or of every decode-phase gap without them)."""
     leave = {i: rng.randint(1, 4) for i in rng.sample(range(STREAMS), int(LEAVE_SHARE * STREAMS))}
     before = _metrics(url)
 
@@ -114,7 +119,8 @@ def _round(url: str, model: str, prompts: list[str], want: list[str], big_body: 
                        for i, p in enumerate(prompts)]
             await flowing.wait()                 # every prompt is prefilled: only decode steps run
             t_flow = time.perf_counter()
-            bigs = [await _big(client, url, model, big_body) for _ in range(BIG_PROMPTS)]   # one by one
+            bigs = [await _big(client, url, model, big_body) for _ in range(BIG_PROMPTS)] \
+                if big_body is not None else []                                                   # one by one
             return await asyncio.gather(*streams), bigs, t_flow
 
     gc.collect()
@@ -137,7 +143,7 @@ def _round(url: str, model: str, prompts: list[str], want: list[str], big_body: 
     # first one's arrival and 0.25 s after the last one's answer (sampled by their end, so a typical
     # gap is as likely as a long one; a stall they caused ends there), against the median of all
     # decode-phase gaps (every stream had its first token)
-    lo, hi = min(b[0] for b in bigs), max(b[1] for b in bigs) + 0.25
+    lo, hi = (min(b[0] for b in bigs), max(b[1] for b in bigs) + 0.25) if bigs else (t_flow, float("inf"))
     gaps, during = [], []
     for i in stayed:
         ts = results[i][1]
@@ -147,13 +153,12 @@ def _round(url: str, model: str, prompts: list[str], want: list[str], big_body: 
             if lo <= b <= hi:
                 during.append(b - a)
     med = statistics.median(gaps)
-    print(f"round {rnd} try {attempt}: {len(stayed)} streams, decode inter-token median {1e3 * med:.1f} ms, p90 "
-          f"{1e3 * _p(gaps, 0.9):.1f}, p99 {1e3 * _p(gaps, 0.99):.1f}; the {BIG_PROMPTS} 1 MB prompts took "
-          f"{1e3 * (hi - 0.25 - lo):.0f} ms; {len(during)} gaps then, p99 {1e3 * _p(during, 0.99):.1f} ms, "
-          f"max {1e3 * max(during):.1f} ms")
+    print(f"round {rnd} try {attempt}{'' if bigs else ' (baseline, no big prompt)'}: {len(stayed)} streams, decode "
+          f"inter-token median {1e3 * med:.1f} ms, p90 {1e3 * _p(gaps, 0.9):.1f}, p99 {1e3 * _p(gaps, 0.99):.1f}" +
+          (f"; the {BIG_PROMPTS} 1 MB prompts took {1e3 * (hi - 0.25 - lo):.0f} ms; {len(during)} gaps then, p99 "
+           f"{1e3 * _p(during, 0.99):.1f} ms, max {1e3 * max(during):.1f} ms" if bigs else ""))
     assert len(during) >= 100
     assert max(during) < 1.0, sorted(during)[-10:]          # never a stall of a second, whatever the load
-    ok = _p(during, 0.99) <= 2 * med
     # the KV pool is whole again; the leavers were aborted
     m = _wait_idle(url)
     assert m["mtp_kv_cache_free_blocks"] == m["mtp_kv_cache_total_blocks"]
@@ -161,7 +166,7 @@ def _round(url: str, model: str, prompts: list[str], want: list[str], big_body: 
         before.get('mtp_request_success_total{finished_reason="abort"}', 0)
     finished = sum(m.get(k, 0) - before.get(k, 0) for k in m if k.startswith("mtp_request_success_total"))
     assert finished == STREAMS and aborted <= len(leave)      # a leaver may finish before its abort lands
-    return ok
+    return med, _p(during, 0.99)
 
 
 def test_128_streams_with_disconnects_and_1mb_prompts(tmp_path) -> None:
@@ -186,11 +191,15 @@ def test_128_streams_with_disconnects_and_1mb_prompts(tmp_path) -> None:
         assert len(engine_pid) == 1
         for rnd in range(ROUNDS):
             for attempt in range(TRIES):
-                ok = _round(url, model, prompts, want, big_body, rng, rnd, attempt)
+                # the same streams without big prompts first: on 2 shared cores their own gaps' p99 is 1.7-4.3x
+                # the median (Zen 5, 2026-12-06), so twice the median alone failed without any big prompt
+                _, base = _round(url, model, prompts, want, None, rng, rnd, attempt)
+                med, p99 = _round(url, model, prompts, want, big_body, rng, rnd, attempt)
+                ok = p99 <= max(2 * med, 1.5 * base)
                 if ok:
                     break
             assert ok, f"round {rnd}: the inter-token p99 while the 1 MB prompts arrived was over twice the " \
-                       f"median in {TRIES} tries (printed above)"
+                       f"median and 1.5 times the p99 without them in {TRIES} tries (printed above)"
             rss.append((_rss_mb(proc.pid), _rss_mb(engine_pid[0])))
     finally:
         proc.terminate()

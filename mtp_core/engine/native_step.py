@@ -52,6 +52,14 @@ def _i32(values: list[int]) -> torch.Tensor:
     return torch.frombuffer(array.array("i", values), dtype=torch.int32) if values else torch.empty(0, dtype=torch.int32)
 
 
+class EngineParts(NamedTuple):
+    """What a native step takes from its engine (NativeStep.bind): the stop tokens and <think> / </think> that rows
+    needing their logits need, and how a deferred prompt's Unfinished states are finished before a catch-up in the
+    call reads them (ModelRunner.finish; None: nothing defers)."""
+    stops: Stops
+    finish: Optional[backlog.Finish]
+
+
 class NativeStep:
     def __init__(self, model: DeepseekV3ForCausalLM, native: NativeDecoder, caches: list[torch.Tensor], K: int,
                  acceptance: Acceptance, fixed_counts: bool, vanilla: bool = False,
@@ -65,14 +73,11 @@ class NativeStep:
         self.fixed_counts = fixed_counts                     # draft_len_policy fixed: K, as the static step
         self.confidence = confidence                         # the confidence gate's threshold (0: off)
         self.num_replays = 0                                 # steps run whole by run()
-        # what the rows that need their logits need from the engine (bind): its stop tokens and <think> / </think>
-        self.stops = Stops(set(), None, 0)
-        # how a deferred prompt's Unfinished states are finished before a catch-up reads them (ModelRunner.finish)
-        self.finish: Optional[backlog.Finish] = None
+        self.engine = EngineParts(Stops(set(), None, 0), None)   # what the engine lends it (bind)
         self._limits: Optional[tuple[list[ScheduledRow], list[int]]] = None   # step_for's, for run()
 
     def bind(self, stops: Stops, finish: Optional[backlog.Finish] = None) -> None:
-        self.stops, self.finish = stops, finish
+        self.engine = EngineParts(stops, finish)
 
     def step_for(self, rows: list[ScheduledRow]) -> Optional["NativeStep"]:
         """self when every row is a greedy strict decode row and every row that drafts has the stored states its
@@ -156,7 +161,7 @@ class NativeStep:
             if not w:
                 continue
             ids.extend(r.seq.all_ids[r.start - w + 1: r.start + 1])
-            backlog.finish_pending(r.seq, self.finish)
+            backlog.finish_pending(r.seq, self.engine.finish)
             parts = ([mtp.window_hidden] if self.vanilla and mtp.window_hidden is not None else []) + \
                 backlog.held_states(mtp)
             states = torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -207,11 +212,11 @@ class NativeStep:
             rules = masks = None
             if p.processes_logits:
                 if dec.penalty_rules is None:
-                    stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.stops.eos_token_ids))
+                    stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.engine.stops.eos_token_ids))
                     dec.penalty_rules = PenaltyRules(p, seq.prompt_ids, stop_ids, self.native.vocab)
                 rules = dec.penalty_rules.at(seq.output_ids, r.token_ids[1:])
             if dec.matcher is not None:
-                think_ids = self.stops.think_ids
+                think_ids = self.engine.stops.think_ids
                 after_think = p.guided_after_think and think_ids is not None
                 masks = guided_masks(dec.matcher.backend, dec.matcher, r.token_ids[1:],
                                      after_think and dec.in_thinking, think_ids if after_think else None)
