@@ -267,6 +267,49 @@ def test_cost_policy_keeps_greedy_mtp_equal_to_plain(v32_dirs, path, ckpt, mode)
 
 
 @pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_deferred_prompt_leaves_its_last_layer_for_later_bitwise(v32_dirs, path, chunked) -> None:
+    """V3.2 under the cost policy's deferred prompts: the prefill split before its last layer (DSA's index keys
+    written at prefill, the layer's rest when the request drafts) gives the outputs, and every step's drafts and,
+    after the catch-up, the MTP layer's cache rows over the prompts of an engine that keeps every prompt hidden
+    state: bitwise on the native path, within float32 rounding on the torch path, whose GEMMs are not
+    batch-invariant (test_policy.py has the same on V3)."""
+    from mtp_core.request.mtp_state import Unfinished
+    from test_policy import scripted
+
+    model = v32_model(v32_dirs, "tiny1", path)
+    runs = {}
+    for split in (True, False):
+        eng = scripted(make_engine(model, nextn=3, mode="eagle", max_batch_size=2, tokens_per_block=4,
+                                   block_reuse=False, enable_chunked_prefill=chunked,
+                                   max_num_tokens=8 if chunked else 8192, spec={"draft_len_policy": "cost"},
+                                   overlap_scheduler_on_cpu=False),
+                       [(0, True)] * 4 + [(3, True), (1, True), (0, True), (2, True)], defer_prompts=True)
+        if not split:
+            eng.paths.runner.split_prompts = None
+        seqs = [eng.add_request(p, greedy(28)) for p in (PROMPTS[3], PROMPTS[5])]
+        drafts, unfinished, mtp_rows = [], 0, None
+        while eng.has_unfinished():
+            eng.step()
+            unfinished += sum(any(isinstance(h, Unfinished) for h in s.mtp.pending or ()) for s in seqs)
+            drafts.append([list(s.mtp.drafts) for s in seqs])
+            if mtp_rows is None and all(s.stats.num_draft_proposed and s.mtp.pending is None for s in seqs):
+                # after the catch-up: the MTP layer's cache rows over the prompt (the finished states fed them)
+                cache, page = eng.caches[model.num_main_layers], eng.blocks.tokens_per_block
+                mtp_rows = [torch.stack([cache[s.kv.block_table[i // page], i % page] for i in range(len(p))])
+                            for s, p in zip(seqs, (PROMPTS[3], PROMPTS[5]))]
+        assert [s.output_ids for s in seqs] == [reference(model, p, 28) for p in (PROMPTS[3], PROMPTS[5])]
+        assert (unfinished > 0) == split and eng.stats.num_draft_proposed > 0 and mtp_rows is not None
+        runs[split] = drafts, mtp_rows
+    if path == "native":           # batch-invariant: the same numbers whatever the calls' shapes
+        assert runs[True][0] == runs[False][0]
+        assert all(torch.equal(a, b) for a, b in zip(runs[True][1], runs[False][1]))
+    else:                          # torch's GEMMs round by their shapes: ~5e-7 apart here
+        for a, b in zip(runs[True][1], runs[False][1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_fp8_kv_cache_greedy_mtp_equals_plain(v32_dirs, path) -> None:
     """An e4m3 cache (--kv_cache_dtype fp8) holds the index keys too: greedy MTP == plain greedy on it."""
     model = v32_model(v32_dirs, "tiny1", path)
