@@ -800,15 +800,12 @@ at::Tensor decode_forward_cpu(const c10::intrusive_ptr<DecodeWeights>& weights, 
   check_batch(d, ids, positions, slot_mapping, query_start, block_tables, seqlens, rope_cos, rope_sin, caches, b);
   const int64_t T = b.T, H = d.H;
   const bool mtp = W.layers()[first_layer].eh_proj.defined();
-  at::Tensor hid;
-  if (mtp) {
-    TORCH_CHECK(mtp_hidden.has_value() && mtp_hidden->numel() == T * H, "decode_forward: an MTP layer needs hidden [T, H]");
-    hid = mtp_hidden->to(at::kFloat).contiguous();
-  } else if (mtp_hidden.has_value() && mtp_hidden->defined()) {   // main layers from a given residual stream
-    TORCH_CHECK(mtp_hidden->dim() == 2 && mtp_hidden->size(0) == T && mtp_hidden->size(1) == H,
-                "decode_forward: main layers' input must be [T, H] (T = ", T, ")");
-    hid = mtp_hidden->to(at::kFloat).contiguous();
-  }
+  // an MTP layer's hidden input, or the residual stream main layers start from
+  const bool given = mtp_hidden.has_value() && mtp_hidden->defined();
+  TORCH_CHECK(!mtp || (given && mtp_hidden->numel() == T * H), "decode_forward: an MTP layer needs hidden [T, H]");
+  TORCH_CHECK(mtp || !given || (mtp_hidden->dim() == 2 && mtp_hidden->size(0) == T && mtp_hidden->size(1) == H),
+              "decode_forward: main layers' input must be [T, H] (T = ", T, ")");
+  const at::Tensor hid = given ? mtp_hidden->to(at::kFloat).contiguous() : at::Tensor();
   if (which == Outputs::kLast)
     for (int64_t r = 0; r < b.B; ++r)
       TORCH_CHECK(b.qstart[r + 1] > b.qstart[r], "decode_forward: outputs=1 (each row's last) needs every row to "

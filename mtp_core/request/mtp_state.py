@@ -21,7 +21,8 @@ class Unfinished:
 
     def __getitem__(self, sl: slice) -> "Unfinished":
         """The first positions (sl = [:n]), as the engine cuts a row's states to its valid length."""
-        assert isinstance(sl, slice) and sl.start is None and sl.step is None, "Unfinished cuts only [:n]"
+        assert isinstance(sl, slice) and sl.start is None and sl.step is None, \
+            "Unfinished cuts only [:n]; its states are read once finished (backlog.finish_pending)"
         return Unfinished(self.x[sl], self.start)
 
     def clone(self) -> "Unfinished":

@@ -33,8 +33,7 @@ MAX_MTP_LAG = 2048          # positions of main hidden states a row that skips d
 
 def held_states(mtp: MTPState) -> list[torch.Tensor]:
     """The row's kept main hidden states, oldest first, as [n, H] tensors (a row reference becomes its row); a
-    deferred prompt's must have been finished (`finish_row`)."""
-    assert not any(isinstance(h, Unfinished) for h in mtp.pending or ()), "finish_row before reading held states"
+    deferred prompt's must have been finished (`finish_pending`: its own indexing refuses otherwise)."""
     return [h if isinstance(h, torch.Tensor) else h[0][h[1]:h[1] + 1] for h in mtp.pending or ()]
 
 
@@ -122,16 +121,17 @@ def propose(drafter: Drafter, inputs: list[DraftInput], views_ok: bool, defer_pr
             continue
         limit = inp.max_drafts if inp.needs_drafts and inp.max_drafts is not None else 0
         valid = inp.start + len(inp.next_tokens)
+        upto = 0
         if limit == 0 and (valid > inp.seq.kv.prefill_target or (defer_prompts and valid <= MAX_MTP_LAG // 2)):
             prompt = valid <= inp.seq.kv.prefill_target
             upto = valid // shared_block * shared_block if prompt and shared_block else 0
             if upto <= max(mtp.num_valid, inp.start):
                 settle(mtp, valid, False, inp.hidden, copy=True if prompt else not views_ok)
                 continue   # a decode row that skips drafting, or a prompt chunk whose MTP forward is deferred
-            finish_row(inp, finish)
+        finish_row(inp, finish)           # it runs the drafter: its deferred prompt's states are read
+        if upto:                          # a deferred prompt's full blocks only
             rest[n] = (inp.hidden[upto - inp.start:], valid)
             inp.hidden, inp.next_tokens = inp.hidden[:upto - inp.start], inp.next_tokens[:upto - inp.start]
-        finish_row(inp, finish)
         if mtp.pending and mtp.num_valid < inp.start:
             # the MTP caches lag (drafting skipped in earlier steps): cover the missing positions too
             end = inp.start + len(inp.next_tokens)
