@@ -8,7 +8,9 @@ VM whose speed moves by 10-30% within minutes, where separate `mtp bench` runs c
 One engine per setting, all on the shipped model (or --model_dir), 1 thread: n0 (nextn=0), default (MTP K = 3 as
 the README turns it on: cost policy, auto mode), k0 (the same with every decision forced to 0 drafts: a step at 0
 drafts, whatever the policy would choose), kept (the default making every prompt position's hidden state at
-prefill, as before deferred prompts left their last layer for later), k1 / k2 / k3 (fixed Eagle counts). Each round gives every engine the
+prefill, as before deferred prompts left their last layer for later), prior0 (the default with the cost prior
+before it came from the bytes a draft reads: 1 + 0.4 k before any step is measured, 1 + 0.25 k from one measured
+count), k1 / k2 / k3 (fixed Eagle counts). Each round gives every engine the
 same chunk of prompts (a new chunk each round; 128 tokens, EOS ignored) through `LLM.generate`, in an order that
 rotates by round; an engine keeps its state across rounds (its policy learns as a server's would). Prints each
 setting's tokens/s over all rounds, its total and median-round speed over the first setting's, and the draft
@@ -31,12 +33,14 @@ from cli.common import DEFAULT_MODEL_DIR  # noqa: E402
 from mtp_core.config import LLMConfig, SpeculativeConfig  # noqa: E402
 from mtp_core.llm import LLM  # noqa: E402
 from mtp_core.sampling import SamplingParams  # noqa: E402
+from mtp_core.speculative.costs import CostPrior  # noqa: E402
 
 SETTINGS = {
     "n0": None,
     "default": dict(num_nextn_predict_layers=3),
     "k0": dict(num_nextn_predict_layers=3),
     "kept": dict(num_nextn_predict_layers=3),
+    "prior0": dict(num_nextn_predict_layers=3),
     **{f"k{k}": dict(num_nextn_predict_layers=k, draft_len_policy="fixed", mtp_mode="eagle") for k in (1, 2, 3)},
 }
 
@@ -47,6 +51,9 @@ def build(name: str, model_dir: str, batch: int) -> LLM:
                         max_batch_size=batch, num_threads=1))
     if name == "k0":
         llm.engine.spec.policy._decide = lambda *a: (0, True, True)    # every decision: 0 drafts, settled
+    if name == "prior0":       # the cost prior before it came from the model's bytes: 0.4 per draft, 0.25 per verified
+        pol = llm.engine.spec.policy                       # draft from one measured count
+        pol.costs.prior = CostPrior(pol.costs.prior.catchup_ratio, 0.15, fused=False)
     if name == "kept":
         llm.engine.paths.runner.split_prompts = None     # every prompt hidden state made at prefill, as before
     return llm

@@ -9,6 +9,7 @@ import torch
 from conftest import PROMPTS, THINK_IDS, greedy, make_engine, reference, run_to_end
 from mtp_core import kernels
 from mtp_core.sampling import SamplingParams
+from mtp_core.speculative.costs import CostPrior
 from test_cuda_graphs import drafts_per_step
 
 pytestmark = pytest.mark.skipif(not kernels.native_ops().cpu, reason=kernels.native_ops().summary)
@@ -306,6 +307,9 @@ def test_rows_that_need_logits_verify_in_one_call_on_the_general_step(models) ->
     for mode in ("eagle", "vanilla"):
         _, eng = engines(model, nextn=3, mode=mode, max_batch_size=4, spec=dict(draft_len_policy="cost"))
         eng.paths.native_step.step_for = lambda rows: None
+        # the drafter then runs apart from the target's call; and a draft priced below this model's bytes (its
+        # MTP module reads about what a main layer does) so that rows draft from the first steps, as the test needs
+        eng.spec.policy.costs.prior = CostPrior(draft_share=0.1)
         targets = [0]
         target = eng.paths.native_step.target
 

@@ -43,6 +43,7 @@ from mtp_core.speculative.adaptive import DraftLimits
 from mtp_core.speculative.draft_vocab import load_token_map
 from mtp_core.speculative.drafter import DraftInput, Drafter, make_drafter
 from mtp_core.native.forward_path import serving_forward
+from mtp_core.speculative.costs import CostPrior
 from mtp_core.speculative.policy import DraftLenPolicy
 from mtp_core.speculative.verifier import Acceptance, VerifyResult
 from mtp_core.structured import GrammarBackend, Guided
@@ -151,7 +152,7 @@ class Engine:
         self.caches = allocate_caches(model.config, num_layers, num_blocks, kv.tokens_per_block, dtype, device)
         self.blocks = BlockManager(num_blocks, kv.tokens_per_block, enable_reuse=kv.enable_block_reuse)
         self.blocks.copy_block = partial(copy_block, self.caches)
-        policy = self._make_policy(draft_len)
+        policy = self._make_policy(draft_len, len(draft_vocab) if draft_vocab is not None else 0)
         self.scheduler = Scheduler(self.blocks, cfg.max_batch_size, max(cfg.max_num_tokens, draft_len + 1),
                                    draft_len, cfg.enable_chunked_prefill, policy=policy)
         self.spec = Drafting(draft_len, acceptance, policy,
@@ -170,6 +171,8 @@ class Engine:
             injected_drafter=drafter is not None)
         self.paths = StepPaths(forward_path, runner, OverlapScheduler(self.scheduler, runner) if overlap else None,
                                graphs, native_step)
+        if native_step is not None and draft_len:
+            policy.fuse_drafting()            # its cost cells hold the drafting too (speculative/costs.CostPrior)
         # a static step's padded rows hold one block of the pool for good
         self.pool_tokens = (num_blocks - (graphs is not None)) * kv.tokens_per_block
         self.grammar = Grammars()
@@ -195,8 +198,9 @@ class Engine:
         self.paths.routes += [NativeTargetRoute(native_step)] if native_step is not None else []
         self.paths.routes.append(GeneralRoute(self))
 
-    def _make_policy(self, draft_len: int) -> DraftLenPolicy:
-        """The draft-length policy (speculative/policy.py). Under tensor / expert parallelism every rank
+    def _make_policy(self, draft_len: int, draft_vocab: int) -> DraftLenPolicy:
+        """The draft-length policy (speculative/policy.py); draft_vocab: the rows a draft's LM head reads (0: all).
+        Under tensor / expert parallelism every rank
         must choose the same counts, so measured (per-rank) costs cannot decide: fixed there."""
         spec, cfg = self.cfg.speculative_config, self.cfg
         if spec is None:
@@ -217,8 +221,8 @@ class Engine:
         # on a CPU the step's cost is the engine thread's CPU time: a shared machine's other load and idle
         # gaps between requests stay out of it; a GPU's work runs beside the thread, so wall time there
         clock = time.thread_time if torch.device(cfg.device).type == "cpu" else time.perf_counter
-        return DraftLenPolicy(draft_len, DraftLimits.from_spec(spec, cfg.max_batch_size), policy,
-                              modules / max(self.model.num_main_layers, 1), clock)
+        prior = CostPrior(modules / max(self.model.num_main_layers, 1), self.model.draft_read_share(draft_vocab))
+        return DraftLenPolicy(draft_len, DraftLimits.from_spec(spec, cfg.max_batch_size), policy, prior, clock)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:

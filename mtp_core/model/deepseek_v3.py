@@ -61,6 +61,21 @@ class DeepseekV3ForCausalLM(nn.Module):
     def mtp_module(self, k: int) -> MTPModule:
         return self.model.layers[self.num_main_layers + k]  # type: ignore[return-value]
 
+    def draft_read_share(self, draft_vocab: int = 0) -> float:
+        """One draft's forward (the first MTP module and the LM head, over draft_vocab rows where a token map cuts
+        it) / one decode step's (every main layer and the LM head), in weight bytes read per token: routed experts
+        count at top-k of their number, the embedding (a row) not at all. The draft-length policy's prior cost
+        of a draft, before it measures one (speculative/costs.CostPrior); 0 without MTP modules."""
+        if not self.num_mtp_modules:
+            return 0.0
+        cfg = self.config
+        routed = cfg.num_experts_per_tok / cfg.n_routed_experts if cfg.n_routed_experts else 1.0
+        head = _matrix_bytes(self.lm_head)
+        layers = [_matrix_bytes(layer, routed) for layer in self.model.layers]
+        main = sum(layers[:self.num_main_layers]) + head
+        draft = layers[self.num_main_layers] + head * (draft_vocab / cfg.vocab_size if draft_vocab else 1.0)
+        return draft / max(main, 1)
+
     # ---- serving (paged cache) -----------------------------------------------------------
     def ensure_decode_fused(self) -> None:
         """Once per model: the torch path's decode-time weight fusion (each fusion skips itself where it would grow
@@ -122,3 +137,17 @@ class DeepseekV3ForCausalLM(nn.Module):
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = self.rope.cos_sin(pos)
         return self.mtp_module(k)(self.model.embed_tokens(input_ids), hidden, self.rope, cos, sin, None, None)
+
+
+def _matrix_bytes(module: nn.Module, routed: float = 1.0) -> float:
+    """Bytes of the module's matrices as stored (weights, packed codes and their scales), routed experts' (a
+    stacked [E, ...] tensor or experts.<i>. modules) times `routed`: what one token's forward reads."""
+    total = 0.0
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if t.dim() < 2:
+            continue
+        b = t.numel() * t.element_size()
+        expert = (".experts." in f".{name}" and "shared_experts" not in name) or \
+            (t.dim() == 3 and "experts" in name and "shared_experts" not in name)
+        total += b * routed if expert else b
+    return total

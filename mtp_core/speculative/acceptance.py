@@ -8,8 +8,9 @@ observation, and so do the first ones after 16 steps without any), starting from
 every drafting step it costs is a step slower than decoding without MTP. A rejected draft j also caps the
 positions after it that went unobserved (their estimate moves toward j's by the same weight): a chain
 that fails at its first draft is no evidence that deeper drafts would do better. A position a request does not observe moves 10% per step back to the engine-wide value
-(what it showed goes stale: a reasoning trace changes phase), and the engine-wide value moves 0.5% per step
-back to the prior while no request verifies a draft, so a long stretch at 0 is re-tried, rarely.
+(what it showed goes stale: a reasoning trace changes phase), and an engine-wide value below the prior moves 2% per
+step back up to it while no request verifies a draft, so a long stretch at 0 is re-tried, rarely; one above the
+prior stays (it is what the head showed last).
 E_r(k) = 1 + sum_{i<=k} prod_{j<=i} a_j is the expected tokens row r emits with k drafts.
 
 Worked example (K = 3, a request's first observation, weight 1/(1+1) = 0.5, engine-wide 0.8 everywhere):
@@ -31,8 +32,8 @@ PRIOR_WEIGHT = 1           # observations a request's prior (the engine-wide est
 RELAX = 0.1                # per step a draft position is not observed, a request's estimate there moves this
                            # far back to the engine-wide one (what it showed goes stale: a trace changes phase)
 GLOBAL_RELAX = 0.02        # per step in which no request verified a draft, the engine-wide estimate moves this
-                           # far back to PRIOR_ACCEPT (so that a run at 0 drafts is re-tried; the policy halves
-                           # it after each re-try that found nothing accepted)
+                           # far back up to PRIOR_ACCEPT where below it (so that a run at 0 drafts is re-tried;
+                           # halved after each re-try that found nothing accepted)
 STALE = 16                 # steps without an observation after which an estimate learns as if new again
 
 
@@ -98,8 +99,8 @@ REDECIDE_GAP = 4           # a verified draft this many policy steps after the l
 
 class EngineAcceptance:
     """The engine-wide acceptance estimate every new request starts from, carried across requests: `rates` per
-    draft position, learnt from every verified draft (with each request's own, `learn`), decayed back toward the
-    prior while nothing is verified, half as fast after each probe whose first draft was rejected (a head that
+    draft position, learnt from every verified draft (with each request's own, `learn`), raised back toward the
+    prior while nothing is verified (where below it), half as fast after each probe whose first draft was rejected (a head that
     predicts nothing is re-tried after ~30, ~60, ~120 ... steps; one stopped by bad luck resumes after ~30)."""
 
     def __init__(self, draft_len: int) -> None:
@@ -126,7 +127,10 @@ class EngineAcceptance:
         """E(0..draft_len) of the engine-wide estimate at policy step `now` (decayed first if it went stale)."""
         if now - self._seen > 1:
             rate = GLOBAL_RELAX / (1 << min(self._probe_fails, 16))
-            self.rates = decayed_toward(self.rates, [PRIOR_ACCEPT] * self.draft_len, now - self._seen, rate)
+            # only an estimate below the prior moves back to it (so that a head that stopped proposing well is
+            # re-tried); one above it is what the head showed last, and moving it down while nothing is verified
+            # would leave a good head at 0 drafts for good wherever drafting pays only near what it showed
+            self.rates = decayed_toward(self.rates, [max(a, PRIOR_ACCEPT) for a in self.rates], now - self._seen, rate)
             self._seen, self._expected = now, None
         if self._expected is None:
             self._expected = expected_tokens(self.rates, self.draft_len)

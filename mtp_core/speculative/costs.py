@@ -10,8 +10,8 @@ Each cell keeps its last 9 samples and takes their mean without those above 1.5x
 other work come in bursts). A cell with fewer than 3 samples is replaced by what the bucket's other cells
 predict (least-squares line in k) when that is lower, and an unmeasured count gets the prediction (from one
 measured count, a line of the expected shape through it); a bucket with no measurement borrows the nearest
-bucket's. With nothing measured at all the policy takes a prior cost per count (policy.PRIOR_DRAFT_COST), so
-the acceptance decides the first steps. A catch-up (speculative/backlog.py) is measured apart, per lagging position.
+bucket's. With nothing measured at all the policy takes a prior cost per count (CostPrior.per_draft, from the
+bytes a draft reads), so the acceptance decides the first steps. A catch-up (speculative/backlog.py) is measured apart, per lagging position.
 """
 from __future__ import annotations
 
@@ -60,10 +60,30 @@ TARGET_SLOPE = 0.25        # from one measured count: the target part grows by t
                            # verified (a memory-bound step: 0.06-0.2 measured; a compute-bound tiny model: 0.4)
 
 
-def _predict(points: list[tuple[int, float, int]], k: int, first: int) -> Optional[float]:
+class CostPrior(NamedTuple):
+    """What the policy assumes until it measures, from the model (Engine._make_policy)."""
+    catchup_ratio: float = 0.25   # a catch-up position's cost per k = 0 row: the MTP modules it runs / main layers
+    draft_share: float = 0.15     # one draft's forward (an MTP module, the LM head it reads) / a k = 0 step's, in
+                                  # bytes read per token (decode reads every weight it touches once per token)
+    fused: bool = False           # the drafting runs inside the target's call (the native CPU step): the target
+                                  # cells hold it, the drafter's hold only the choice
+
+    @property
+    def per_draft(self) -> float:
+        """A step verifying (and drafting) k drafts costs 1 + per_draft k steps without, before any is measured."""
+        return TARGET_SLOPE + self.draft_share
+
+    @property
+    def target_slope(self) -> float:
+        return self.per_draft if self.fused else TARGET_SLOPE
+
+
+def _predict(points: list[tuple[int, float, int]], k: int, first: int, slope: float = TARGET_SLOPE
+             ) -> Optional[float]:
     """The value at count k from measured (count, value, samples) points of one table: the least-squares
     line weighted by min(samples, TRUSTED), slope >= 0; from a single point a line of the expected shape
-    through it: the target part 1 + TARGET_SLOPE k, the drafter part (counts from first = 1) proportional to
+    through it: the target part 1 + slope k (TARGET_SLOPE, plus the drafting where the target's call
+    drafts: CostPrior.target_slope), the drafter part (counts from first = 1) proportional to
     its chain forwards. (Flat above a single point, as before, made an unmeasured large count look as cheap as
     a measured small one: it was tried whatever the acceptance.) None without points."""
     if not points:
@@ -71,7 +91,7 @@ def _predict(points: list[tuple[int, float, int]], k: int, first: int) -> Option
     if len({j for j, _, _ in points}) == 1:
         k1, v1, _ = points[0]
         if first == 0:
-            return v1 * (1.0 + TARGET_SLOPE * k) / (1.0 + TARGET_SLOPE * k1)
+            return v1 * (1.0 + slope * k) / (1.0 + slope * k1)
         return v1 * k / k1
     w = [min(n, TRUSTED) for _, _, n in points]
     sw = sum(w)
@@ -82,7 +102,7 @@ def _predict(points: list[tuple[int, float, int]], k: int, first: int) -> Option
     return max(mv + slope * (k - mk), 0.0)
 
 
-def _estimate(cells: list[Optional[_Cell]], drafter: bool) -> list[float]:
+def _estimate(cells: list[Optional[_Cell]], drafter: bool, slope: float = TARGET_SLOPE) -> list[float]:
     """Per-row seconds for k = 0..K. A cell with TRUSTED samples gives its value. A cell with fewer gives
     the smaller of its value and what the other cells predict for it (`_predict`): one slow sample
     must not keep a count from being tried again. An unmeasured count gets the prediction from the
@@ -101,14 +121,14 @@ def _estimate(cells: list[Optional[_Cell]], drafter: bool) -> list[float]:
     settled = []                                        # measured cells, as estimated
     for k, v, n in points:
         if n < TRUSTED:
-            guess = _predict([p for p in points if p[0] != k], k, first)
+            guess = _predict([p for p in points if p[0] != k], k, first, slope)
             v = v if guess is None else min(v, guess)
         settled.append((k, v, n))
         out[k] = v
     measured = {k for k, _, _ in points}
     for k in range(first, K + 1):
         if k not in measured:
-            out[k] = _predict(settled, k, first) or 0.0
+            out[k] = _predict(settled, k, first, slope) or 0.0
     return out
 
 
@@ -116,9 +136,10 @@ class StepCosts:
     """t(B, k) per batch-size bucket: target-part and drafter-part cells of per-row seconds, and the
     catch-up cost per lagging position."""
 
-    def __init__(self, K: int, catchup_ratio: float = 0.25) -> None:
+    def __init__(self, K: int, prior: CostPrior = CostPrior()) -> None:
         self.draft_len = K
-        self.catchup_ratio = catchup_ratio           # a catch-up position's cost per k = 0 row, until measured
+        self.prior = prior
+        self.catchup_ratio = prior.catchup_ratio     # a catch-up position's cost per k = 0 row, until measured
         self.target: dict[int, list[Optional[_Cell]]] = {}
         self.draft: dict[int, list[Optional[_Cell]]] = {}
         self._catchup = _Cell()                      # seconds per lagging position caught up
@@ -179,8 +200,12 @@ class StepCosts:
             if not self.target:
                 return None
             src = min(self.target, key=lambda x: (abs(math.log2(x / b)), x))
-        out = self._cache[b] = (_estimate(self.target[src], drafter=False),
-                                _estimate(self.draft.get(src, [None] * (self.draft_len + 1)), drafter=True))
+        target = _estimate(self.target[src], drafter=False, slope=self.prior.target_slope)
+        cells = self.draft.get(src) or [None] * (self.draft_len + 1)
+        draft = _estimate(cells, drafter=True)
+        if not self.prior.fused and not any(cells[1:]):     # no drafting step measured: the prior's share per draft
+            draft = [draft[0] + self.prior.draft_share * target[0] * k for k in range(self.draft_len + 1)]
+        out = self._cache[b] = (target, draft)
         return out
 
     def snapshot(self) -> dict:
@@ -216,8 +241,8 @@ class StepTimer:
     drafter part is measured for clean decisions; a decision whose lagging rows catch up measures the catch-up
     per position instead (the drafter's usual time at that count subtracted)."""
 
-    def __init__(self, draft_len: int, catchup_ratio: float = 0.25) -> None:
-        self.costs = StepCosts(draft_len, catchup_ratio)
+    def __init__(self, draft_len: int, prior: CostPrior = CostPrior()) -> None:
+        self.costs = StepCosts(draft_len, prior)
         self.pending: Optional[Measure] = None      # this step's decision, for its drafter part
         self._prev_end: Optional[float] = None      # end of the previous step, if it was a decode step
         self._prev_verified: Optional[int] = None   # drafts the previous step verified, if decode-only ...

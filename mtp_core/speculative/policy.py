@@ -62,7 +62,7 @@ from mtp_core.request.stats import SpecStats
 from mtp_core.speculative.acceptance import EngineAcceptance, request_expected
 from mtp_core.speculative.adaptive import DraftLimits
 from mtp_core.speculative.backlog import MAX_MTP_LAG
-from mtp_core.speculative.costs import SETTLE, TRUSTED, Measure, StepCosts, StepTimer, bucket
+from mtp_core.speculative.costs import SETTLE, TRUSTED, CostPrior, Measure, StepCosts, StepTimer, bucket
 
 if TYPE_CHECKING:
     from mtp_core.speculative.drafter import DraftInput
@@ -71,6 +71,8 @@ if TYPE_CHECKING:
 EXPLORE_BUDGET = 0.01      # expected throughput spent on re-trying counts that are not the best
 MIN_EXPLORE_GAP = 32       # decisions of one batch-size bucket between two re-tries, at least
 RETRY_MAX_LAG = 64         # lagging positions a re-try may catch up (the rows' MTP forwards over them), at most
+ALL_ROWS = float("inf")    # Decision.resume: every lagging row catches up and drafts ...
+NO_ROW = 0.0               # ... none does (they stay at 0 drafts)
 HORIZON = 128              # steps over which a catch-up is amortised, at most (the rest of the request)
 DRAFT_MARGIN = 0.05        # drafting must promise this much more than no drafting (measurement noise, and the
                            # k = 0 steps between drafting ones measured dearer than in a run of k = 0 only)
@@ -83,14 +85,12 @@ REDECIDE_DRAFTING = 8      # steps the largest count, chosen twice in a row, sta
 ZERO_TIMING = 8            # in a run of decisions for 0 drafts, one step of every ZERO_TIMING is timed (and the one
                            # before it, whose end it starts from): a k = 0 step's clock reads and bookkeeping cost
                            # ~3% of the shipped model's step at batch 1, and nothing is learnt at 0 but that cost
-PRIOR_DRAFT_COST = 0.4     # before any step is measured: a step verifying k drafts costs 1 + 0.4 k steps without
-                           # (a multi-token verify plus the MTP forwards; measured 1.4-1.6 at k = 1 on every model
-                           # here, lower per draft at k = 3)
 
 
 class Decision(NamedTuple):
     draft_len: int             # the count
-    resume: bool               # whether rows whose MTP caches lag catch up and draft (else they stay at 0)
+    resume: float              # rows whose MTP caches lag by at most this many positions catch up and draft (the
+                               # others stay at 0): ALL_ROWS, NO_ROW, or the bound of the rows lagging least
     settled: bool              # whether the count may stand for REDECIDE steps (not a re-try)
 
 
@@ -99,7 +99,7 @@ class Retry(NamedTuple):
     bucket: int
     draft_len: int
     steps_left: int
-    resume: bool
+    resume: float
 
 
 @dataclass(slots=True)
@@ -108,7 +108,7 @@ class Standing:
     step counts down in place, a namedtuple's _replace costs ~0.6 us a step)."""
     batch: tuple[int, int, int]
     draft_len: int
-    resume: bool
+    resume: float
     steps_left: int
 
 
@@ -171,6 +171,9 @@ class FixedPolicy:
     def record_step(self, rows: Sequence, t0: Optional[float], t1: Optional[float], t2: Optional[float]) -> None:
         """Nothing is measured under a fixed count."""
 
+    def fuse_drafting(self) -> None:
+        """The engine's steps draft inside the target's call (the native CPU step): nothing to do at a fixed count."""
+
     def summary(self) -> dict:
         return {"policy": self.policy, "max_draft_len": self.draft_len, "step_costs": None,
                 "catchup_us_per_position": None, "engine_acceptance_estimate": None, "num_explorations": 0}
@@ -180,10 +183,10 @@ class CostPolicy(FixedPolicy):
     """draft_len_policy cost (the module docstring): the count with the most expected tokens per second."""
     policy = "cost"
 
-    def __init__(self, draft_len: int, rules: Optional[DraftLimits] = None, mtp_cost_ratio: float = 0.25,
+    def __init__(self, draft_len: int, rules: Optional[DraftLimits] = None, prior: CostPrior = CostPrior(),
                  clock: Callable[[], float] = time.perf_counter) -> None:
         super().__init__(draft_len, rules, clock)
-        self.timer = StepTimer(draft_len, mtp_cost_ratio)   # which steps are measured; its .costs the cost table
+        self.timer = StepTimer(draft_len, prior)       # which steps are measured; its .costs the cost table
         self.acceptance = EngineAcceptance(draft_len)  # the engine-wide estimate new requests start from
         self.buckets: dict[int, BucketLog] = {}
         self.num_explorations = 0
@@ -194,6 +197,10 @@ class CostPolicy(FixedPolicy):
         self._standing: Optional[Standing] = None
         self._zero_stand = REDECIDE                    # steps the next standing decision for 0 stands
         self.times_next_step = True
+
+    def fuse_drafting(self) -> None:
+        """The target part of a step then holds its drafting: predicted per draft as such (CostPrior.fused)."""
+        self.costs.prior = self.costs.prior._replace(fused=True)
 
     @property
     def costs(self) -> StepCosts:
@@ -253,7 +260,7 @@ class CostPolicy(FixedPolicy):
             j = k if k < c else c
             lag = _lag(r) if j else 0                        # (a row at 0 drafts nothing: no lag to weigh)
             if lag:
-                if resume:
+                if lag <= resume:
                     catchup += lag                           # its MTP caches catch up in this drafting step
                 else:
                     j = 0                                    # it stays at 0 (and lags on)
@@ -279,7 +286,7 @@ class CostPolicy(FixedPolicy):
         return [0] * len(rows)
 
     def _count(self, rows: Sequence["DraftInput"], caps: list[int], kmax: int, B: int, b: int, log: BucketLog,
-               prev: Optional[int]) -> tuple[int, bool]:
+               prev: Optional[int]) -> tuple[int, float]:
         """(count, resume): a standing decision while the batch stays the same, else a new one."""
         key = (B, kmax, len(rows))
         st = self._standing
@@ -308,7 +315,7 @@ class CostPolicy(FixedPolicy):
         costs = self.costs.per_row(B)
         retry, self._retry = self._retry, None
         if costs is None:                     # nothing measured yet: a prior (relative) cost per count, so that
-            costs = ([1.0] * (self.draft_len + 1), [PRIOR_DRAFT_COST * k for k in range(self.draft_len + 1)])
+            costs = ([1.0] * (self.draft_len + 1), [self.costs.prior.per_draft * k for k in range(self.draft_len + 1)])
             # the acceptance decides from the first step: a head that proposes well drafts at once, one that
             # does not stops
         if retry is not None and retry.bucket == b and retry.draft_len <= kmax:
@@ -363,31 +370,37 @@ class CostPolicy(FixedPolicy):
         return u, rate_with, rate_without
 
     def _best(self, batch: "_Batch", costs: tuple[list[float], list[float]], kmax: int, n: int,
-              last: list[int], prev: Optional[int]) -> tuple[int, bool]:
-        """(count, whether lagging rows resume drafting): the most expected tokens per second, or a count to
-        re-try."""
-        _, rate_with, rate_without = self._rates(batch, costs, kmax)
+              last: list[int], prev: Optional[int]) -> tuple[int, float]:
+        """(count, which lagging rows resume drafting: Decision.resume): the most expected tokens per second
+        with all of them catching up or none, or a count to re-try."""
+        u, rate_with, rate_without = self._rates(batch, costs, kmax)
         R, nl = range(kmax + 1), len(batch.lagging)
         # the decision compares rates with drafting discounted by DRAFT_MARGIN and the previous count favoured
         bias = [1.0] + [1.0 / (1.0 + DRAFT_MARGIN)] * kmax
 
         def score(rate: list[float], k: int) -> float:
             return rate[k] * bias[k] * (1.0 + STICK if k == prev else 1.0)
-        best, resume = max(R, key=lambda k: (score(rate_with, k), -k)), True
+        best, resume = max(R, key=lambda k: (score(rate_with, k), -k)), ALL_ROWS
         kw = max(R, key=lambda k: (score(rate_without, k), -k))
         if score(rate_without, kw) > score(rate_with, best):
-            best, resume = kw, False
+            best, resume = kw, NO_ROW
         top = rate_with[best] if resume else rate_without[best]
-        # re-try another count when the budget accumulated since it was last chosen covers its cost
-        # (SETTLE + 1 steps at it, only the last measured); a re-try makes no lagging row catch up, unless every
-        # row lags and all of them by RETRY_MAX_LAG positions at most (batch 1 at 0 drafts, each new prompt
-        # deferred): then no drafting count could be measured again otherwise, and the simulated engine of
-        # test_policy.py stayed at 0 for whole runs (7 seeds of 10; on the shipped model: 1,511 decisions of a
-        # run). The bound is on the sum, so that a re-try never pays a batch's worth of catch-ups (with a bound
-        # per row, batch 16 re-tried drafting more often: 0.78 / 0.85x of nextn=0 in two rounds against 0.93 /
-        # 0.98x without the change; this machine's noise is of that size)
-        short = nl == batch.size and sum(lag for _, lag, _ in batch.lagging) <= RETRY_MAX_LAG
-        rate = rate_without if nl and not short else rate_with
+        # re-try another count when the budget accumulated since it was last chosen covers its cost (SETTLE + 1
+        # steps at it, only the last measured). A re-try makes lagging rows catch up only when every row lags
+        # (else the rows that do not lag carry it): then the rows lagging least, by RETRY_MAX_LAG positions at
+        # most in all (_retry_bound). A batch at 0 drafts whose every row lags (batch 1 with each new prompt
+        # deferred; a larger batch once new requests come in, each lagging by its prompt) could never measure a
+        # drafting count again otherwise: the simulated engine of test_policy.py stayed at 0 for whole runs (7
+        # seeds of 10), the shipped model at batch 4 for the rest of a run in one run of three. The bound is on
+        # the sum, so that a re-try never pays a batch's worth of catch-ups (with a bound per row, batch 16
+        # re-tried drafting more often: 0.78 / 0.85x of nextn=0 in two rounds against 0.93 / 0.98x); a re-try
+        # in which only some lagging rows catch up pays their catch-up for its information only: it is charged
+        # to the budget, in k = 0 steps of the batch
+        lags = [lag for _, lag, _ in batch.lagging]
+        bound, positions = _retry_bound(lags) if nl == batch.size else (NO_ROW if nl else ALL_ROWS, 0)
+        every = positions == sum(lags)                # every lagging row resumes (or none lags)
+        rate = rate_with if every else rate_without
+        charge = 0.0 if every else self.costs.catchup_position_s(u[0]) * positions / max(batch.size * u[0], 1e-12)
         share, due, pick = EXPLORE_BUDGET / kmax, 0.0, best
         b = bucket(batch.size)
         log = self.buckets[b]
@@ -395,16 +408,16 @@ class CostPolicy(FixedPolicy):
             pick = 0       # owed at once: whether drafting pays at all at this batch size (below)
         for k in R:
             if pick != best or k == best or n - log.last_retry < MIN_EXPLORE_GAP or \
-                    (k and nl == batch.size and not short):
+                    (k and nl == batch.size and not positions):
                 continue
-            slack = (n - last[k]) * share - (SETTLE + 1) * (1.0 - rate[k] / top)
+            slack = (n - last[k]) * share - (SETTLE + 1) * (1.0 - rate[k] / top) - (charge if k else 0.0)
             if slack > due:
                 due, pick = slack, k
         if pick != best:
             log.probed_zero = log.probed_zero or pick == 0
             self.num_explorations += 1
             log.last_retry = n
-            resume = not nl or short
+            resume = bound
             self._retry = Retry(b, pick, SETTLE, resume)
         return pick, resume
 
@@ -455,6 +468,17 @@ def _lag(r: "DraftInput") -> int:
     return 0
 
 
+def _retry_bound(lags: list[int]) -> tuple[float, int]:
+    """(Decision.resume, positions caught up) of a re-try in a batch whose every row lags: the rows lagging least,
+    RETRY_MAX_LAG positions at most in all; (NO_ROW, 0) when even the least exceeds it."""
+    bound, total = NO_ROW, 0
+    for lag in sorted(lags):
+        if total + lag > RETRY_MAX_LAG:
+            break
+        bound, total = lag, total + lag
+    return bound, sum(lag for lag in lags if lag <= bound)
+
+
 def _apply(rows: Sequence["DraftInput"], limits: list[int]) -> list[int]:
     for r, k in zip(rows, limits):
         r.seq.mtp.draft_len = k
@@ -462,13 +486,13 @@ def _apply(rows: Sequence["DraftInput"], limits: list[int]) -> list[int]:
 
 
 def make_policy(draft_len: int, rules: Optional[DraftLimits] = None, policy: str = "cost",
-                mtp_cost_ratio: float = 0.25, clock: Callable[[], float] = time.perf_counter) -> FixedPolicy:
+                prior: CostPrior = CostPrior(), clock: Callable[[], float] = time.perf_counter) -> FixedPolicy:
     """The engine's draft-length policy: CostPolicy for `cost` (with drafts to choose among), else FixedPolicy."""
     if policy not in DRAFT_LEN_POLICIES:
         raise ValueError(f"speculative_config.draft_len_policy must be one of {', '.join(DRAFT_LEN_POLICIES)}, "
                          f"got {policy!r}")
     if policy == "cost" and draft_len:
-        return CostPolicy(draft_len, rules, mtp_cost_ratio, clock)
+        return CostPolicy(draft_len, rules, prior, clock)
     return FixedPolicy(draft_len, rules, clock)
 
 
