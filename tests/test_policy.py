@@ -544,23 +544,38 @@ def test_a_re_try_in_a_batch_whose_rows_all_lag_catches_up_the_rows_lagging_leas
 
 
 def test_a_batch_sat_at_zero_whose_rows_all_lag_far_re_tries_on_its_new_requests():
-    """Batch 4, a head at 0.95 where drafting pays only near that (per-row steps 1, 1.9, 2.6, 3.3 ms: k = 3 +12%,
-    and nothing pays at the 0.8 prior), the engine-wide estimate starting at 0.3 (the batch sits at 0 first, and
-    every row comes to lag by more than RETRY_MAX_LAG in all; each new request lags by its prompt, 30 positions).
-    Before, no re-try could run in such a batch (they made lagging rows catch up only when all of them did, 64
-    positions in all at most): 0 re-tries, 0 drafting steps after the first 500, in every seed. A re-try now
-    catches up the rows lagging least (a new request's prompt): every seed re-tries, and in half of them or more
-    the batch drafts in most of its last 1,000 steps (measured: 3 of 6 seeds, 43-90% of those steps)."""
-    T, D = [1.0, 1.3, 1.6, 1.9], [0.0, 0.6, 1.0, 1.4]
-    drafting = []
+    """Batch 4, a head at 0.95 where drafting pays only near that (per-row steps 1, 1.8, 2.4, 3.0 ms: k = 3 +24%; at
+    the 0.8 prior no count beats 0 by the margin), the engine-wide estimate starting at 0.3: the batch sits at 0
+    first, and every row comes to lag by more than RETRY_MAX_LAG in all; each new request lags by its prompt, 30
+    positions. Before, no re-try could run in such a batch (they made lagging rows catch up only when all of them
+    did, 64 positions in all at most): 0 re-tries, 0 drafting steps after the first 500, in every seed (tree
+    c327ac3). A re-try now catches up the rows lagging least (a new request's prompt): every seed re-tries and
+    drafts in 800 or more of its last 1,000 steps (measured: 910-988)."""
+    T, D = [1.0, 1.3, 1.6, 1.9], [0.0, 0.5, 0.8, 1.1]
     for seed in range(6):
         p = DraftLenPolicy(3, DraftLimits(3), "cost")
         p.acceptance.rates = [0.3, 0.3, 0.3]
         sim = SimEngine(p, 4, per_row(T), per_row(D), lambda i: 0.95, seed=seed, tokens=200, prompt_lag=30)
         sim.run(1500)
         assert p.num_explorations >= 4, seed
-        drafting.append(sum(1 for k in sim.chosen[500:] if k))
-    assert sum(d >= 400 for d in drafting) >= 3, drafting
+        assert sum(1 for k in sim.chosen[500:] if k) >= 800, (seed, "".join(map(str, sim.chosen)))
+
+
+def test_re_tries_in_a_batch_where_drafting_loses_cost_little():
+    """Batch 16 at COSTS (no count beats 0), requests of 60 tokens whose prompts lag 20 positions: re-tries on
+    the rows lagging least (the test above) run here too, each charged to the budget with its rows' catch-up and
+    their drafting's expected loss. Tokens per second stay >= 96% of fixed k = 0's (measured 0.966-0.987 over
+    these seeds; before such re-tries, tree c327ac3, 0.993-0.996: their price)."""
+    tgt, drf = per_row(COSTS[16][0]), per_row(COSTS[16][1])
+    for seed in range(4):
+        p = DraftLenPolicy(3, DraftLimits(3), "cost")
+        sim = SimEngine(p, 16, tgt, drf, lambda i: 0.9, seed=seed, tokens=60, prompt_lag=20).run(1500)
+        f = SimEngine(DraftLenPolicy(3, DraftLimits(3, {16: 0}), "fixed"), 16, tgt, drf, lambda i: 0.9, seed=seed,
+                      tokens=60, prompt_lag=20)
+        for s in f.seqs:
+            s.mtp.draft_len = 0
+        f.run(1500)
+        assert sim.tokens / sim.clock >= 0.96 * f.tokens / f.clock, (seed, p.num_explorations)
 
 
 def test_the_largest_count_stands_until_a_row_rejects_every_draft():

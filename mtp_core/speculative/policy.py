@@ -399,8 +399,12 @@ class CostPolicy(FixedPolicy):
         lags = [lag for _, lag, _ in batch.lagging]
         bound, positions = _retry_bound(lags) if nl == batch.size else (NO_ROW if nl else ALL_ROWS, 0)
         every = positions == sum(lags)                # every lagging row resumes (or none lags)
-        rate = rate_with if every else rate_without
-        charge = 0.0 if every else self.costs.catchup_position_s(u[0]) * positions / max(batch.size * u[0], 1e-12)
+        rate, charge = rate_with if every else rate_without, 0.0
+        if positions and not every:                   # the rows lagging least draft, the others stay at 0
+            part = [e for e, lag, _ in batch.lagging if lag <= bound]
+            rest = nl - len(part)
+            rate = [(sum(e[k] for e in part) + rest) / max(len(part) * u[k] + rest * u[0], 1e-12) for k in R]
+            charge = self.costs.catchup_position_s(u[0]) * positions / max(batch.size * u[0], 1e-12)
         share, due, pick = EXPLORE_BUDGET / kmax, 0.0, best
         b = bucket(batch.size)
         log = self.buckets[b]
