@@ -7,6 +7,8 @@ beside the read bandwidth of an fp32 sum over initialised memory in the same pro
 The matrix is random, in place in its stored format (bf16 [n, k]; FP8 e4m3 + 128x128 block scales; NVFP4
 codes + group scales), large enough (default 64 MB of bf16) that decode reads it from memory every call.
 Prints one JSON line per (format, path, threads, tokens): best-of-reps seconds, GB/s of weight bytes, GMAC/s.
+`--formats bf16_packed` times the packed layout's copy of the bf16 matrix (input-pair panels on bf16-dot CPUs,
+64-row panels elsewhere: what models up to 64 MB get) beside the weights read in place.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from mtp_core.kernels import nvfp4_layout
 from mtp_core.kernels.mat import BF16, FP8, NVFP4, ROWS
 from mtp_core.loader.quant.fp8 import quantize_fp8_block
 from mtp_core.loader.quant.nvfp4 import quantize_nvfp4
-from mtp_core.native.native_weights import Matrix, _fp8_scale
+from mtp_core.native.native_weights import Matrix, _fp8_scale, panel
 
 
 def read_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:
@@ -42,6 +44,7 @@ def matrices(n: int, k: int) -> dict[str, Matrix]:
     q, s = quantize_fp8_block(w)
     p, sc, s2 = quantize_nvfp4(w)
     return {"bf16": Matrix(ROWS, BF16, n, k, w.bfloat16()),
+            "bf16_packed": panel(w.bfloat16(), pairs=kernels.cpu_bf16_dot()),     # the packed layout's copy
             "fp8": Matrix(ROWS, FP8, n, k, q.view(torch.uint8), scale=_fp8_scale(s)),
             "nvfp4": Matrix(ROWS, NVFP4, n, k, nvfp4_layout.interleave(p), gscale=sc.view(torch.uint8),
                             gscale2=float(s2))}
