@@ -24,18 +24,7 @@ from mtp_core.kernels.mat import BF16, FP8, NVFP4, ROWS
 from mtp_core.loader.quant.fp8 import quantize_fp8_block
 from mtp_core.loader.quant.nvfp4 import quantize_nvfp4
 from mtp_core.native.native_weights import Matrix, _fp8_scale, panel
-
-
-def read_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:
-    torch.set_num_threads(threads)
-    x = torch.ones(int(gib * 2**30) // 4)
-    x.sum()
-    best = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
-    return best / 1e9
+from scale_bench import read_bandwidth    # (scripts/ is this script's directory)
 
 
 def matrices(n: int, k: int) -> dict[str, Matrix]:

@@ -4,13 +4,15 @@ over it, the rounds alternating so that the VM's speed phases (10-40% for second
 
     python3 -m cli prepare-dataset --output syn.jsonl --synthetic --num_requests 6 --input_tokens 64 \\
         --output_tokens 64 --model_dir CKPT
-    python3 scripts/replay_alternating.py CKPT syn.jsonl [--threads 2] [--rounds 4] [--rates r1] [--fixed 1,2,3] [--map MAP]
+    python3 scripts/replay_alternating.py CKPT syn.jsonl [--threads 2] [--rounds 4] [--rates r1] [--fixed 1,2,3] \\
+        [--map MAP]
 
-Settings: n0 (nextn=0), default (MTP K = 3 as the README turns it on: cost policy, auto mode), default+map (the
-same drafting over a draft vocabulary, --map) and fixed Eagle counts (--fixed), the MTP ones with their drafts replaced by the target's own greedy continuation at the given
-rates (speculative/replay.py; benchmarks only). Each round runs every prompt through every engine, batch 1,
-prefill included, in an order that rotates by round; an engine keeps its state (its policy learns). Prints per
-round each setting's output tokens per second, then per setting the median ratio to n0 and its draft counts.
+Settings: n0 (nextn=0), default (MTP K = 3 as the README turns it on: cost policy, auto mode), default+map (the same
+drafting over a draft vocabulary, --map) and fixed Eagle counts (--fixed), the MTP ones with their drafts replaced
+by the target's own greedy continuation at the given rates (speculative/replay.py; benchmarks only). Each round runs
+every prompt through every engine, batch 1, prefill included, in an order that rotates by round; an engine keeps its
+state (its policy learns). Prints per round each setting's output tokens per second, then per setting the median
+ratio to n0 and its draft counts.
 """
 from __future__ import annotations
 

@@ -7,11 +7,11 @@
 Each (checkpoint, threads) measurement runs in a fresh process (so resident and peak memory are its own):
 load time, resident set after load and its peak, batch-1 nextn=0 decode (tokens/s from TPOT of `--tokens`
 greedy tokens, EOS ignored), optionally Eagle K=1 / K=3 step times (`--eagle`), and prefill tokens/s of a
-`--prefill`-token prompt. The floor is the bytes a batch-1 step reads (attention, dense MLP, top-k + shared
-experts, lm_head; from the model's own tensors) over the read bandwidth of an fp32 sum of 1 GiB of
-initialised memory on the same number of threads (once at the start, and in the child just before and after
-each timed generation: `floor_over_step_paired`, one value per generation). `--tree DIR` runs the measurement with another checkout's
-mtp_core (e.g. a worktree of an older commit) for before/after tables; rounds alternate trees.
+`--prefill`-token prompt. The floor is the bytes a batch-1 step reads (attention, dense MLP, top-k + shared experts, lm_head; from the model's
+own tensors) over the read bandwidth of an fp32 sum of 1 GiB of initialised memory on the same number of threads
+(once at the start, and in the child just before and after each timed generation: `floor_over_step_paired`, one
+value per generation). `--tree DIR` runs the measurement with another checkout's mtp_core (e.g. a worktree of an
+older commit) for before/after tables; rounds alternate trees.
 """
 from __future__ import annotations
 
@@ -28,19 +28,15 @@ HERE = Path(__file__).resolve().parent.parent
 
 
 def read_bandwidth(threads: int, gib: float = 1.0, reps: int = 5) -> float:
+    """GB/s of an fp32 sum over `gib` GiB of written memory (no shared zero pages) on `threads` threads."""
     import torch
     torch.set_num_threads(threads)
-    x = torch.ones(int(gib * 2**30) // 4)        # written: no shared zero pages
+    x = torch.ones(int(gib * 2**30) // 4)
     x.sum()
-    best = 0.0
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        x.sum()
-        best = max(best, x.numel() * 4 / (time.perf_counter() - t0))
-    return best / 1e9
+    return probe_bandwidth(x, reps)
 
 
-def _probe(x, reps: int = 3) -> float:
+def probe_bandwidth(x, reps: int = 3) -> float:
     """GB/s of the fastest of `reps` fp32 sums over x (written memory), on the threads torch has."""
     best = 0.0
     for _ in range(reps):
@@ -110,10 +106,10 @@ def measure_one(ckpt: str, threads: int, tokens: int, prefill: int, eagle: bool,
     best, paired = None, []
     probe = torch.ones(2**28)                     # 1 GiB of written fp32: the read probe beside each generation
     for _ in range(2):
-        bw0 = _probe(probe)
+        bw0 = probe_bandwidth(probe)
         o = llm.generate([prompt], params)[0]
         tpot = (o.e2e_s - o.ttft_s) / (len(o.token_ids) - 1)
-        bw = (bw0 + _probe(probe)) / 2           # the read bandwidth of the seconds around this generation
+        bw = (bw0 + probe_bandwidth(probe)) / 2           # the read bandwidth of the seconds around this generation
         paired.append(info["step_bytes"]["total"] / (bw * 1e9) / tpot)
         best = tpot if best is None else min(best, tpot)
     del probe

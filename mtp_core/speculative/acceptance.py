@@ -98,10 +98,11 @@ REDECIDE_GAP = 4           # a verified draft this many policy steps after the l
 
 
 class EngineAcceptance:
-    """The engine-wide acceptance estimate every new request starts from, carried across requests: `rates` per
-    draft position, learnt from every verified draft (with each request's own, `learn`), raised back toward the
-    prior while nothing is verified (where below it), half as fast after each probe whose first draft was rejected (a head that
-    predicts nothing is re-tried after ~30, ~60, ~120 ... steps; one stopped by bad luck resumes after ~30)."""
+    """The engine-wide acceptance estimate every new request starts from, carried across requests: `rates` per draft
+    position, learnt from every verified draft (with each request's own, `learn`), raised back toward the prior
+    while nothing is verified (where below it), half as fast after each probe whose first draft was rejected (a
+    head that predicts nothing is re-tried after ~30, ~60, ~120 ... steps; one stopped by bad luck resumes after
+    ~30)."""
 
     def __init__(self, draft_len: int) -> None:
         self.draft_len = draft_len

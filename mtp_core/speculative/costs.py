@@ -6,12 +6,13 @@ between steps, schedule, target forward over k+1 tokens per row, verification, c
 verified, and the drafter part (this choice, the MTP forwards, storing the drafts), keyed by the drafts
 chosen; k = 0 skips the drafter. Which steps are measured is the policy's (`DraftLenPolicy.record_step`).
 
-Each cell keeps its last 9 samples and takes their mean without those above 1.5x their median (delays by
-other work come in bursts). A cell with fewer than 3 samples is replaced by what the bucket's other cells
-predict (least-squares line in k) when that is lower, and an unmeasured count gets the prediction (from one
-measured count, a line of the expected shape through it); a bucket with no measurement borrows the nearest
-bucket's. With nothing measured at all the policy takes a prior cost per count (CostPrior.per_draft, from the
-bytes a draft reads), so the acceptance decides the first steps. A catch-up (speculative/backlog.py) is measured apart, per lagging position.
+Each cell keeps its last 9 samples and takes their mean without those above 1.5x their median (delays by other
+work come in bursts). A cell with fewer than 3 samples is replaced by what the bucket's other cells predict
+(least-squares line in k) when that is lower, and an unmeasured count gets the prediction (from one measured
+count, a line of the expected shape through it); a bucket with no measurement borrows the nearest bucket's. With
+nothing measured at all the policy takes a prior cost per count (CostPrior.per_draft, from the bytes a draft
+reads), so the acceptance decides the first steps. A catch-up (speculative/backlog.py) is measured apart, per
+lagging position.
 """
 from __future__ import annotations
 
