@@ -4,14 +4,14 @@
     python3 scripts/scale_bench.py CKPT [CKPT ...] [--threads 1,2] [--tokens 48] [--rounds 2] [--prefill 512]
         [--eagle] [--tree DIR] [--json OUT]
 
-Each (checkpoint, threads) measurement runs in a fresh process (so resident and peak memory are its own):
-load time, resident set after load and its peak, batch-1 nextn=0 decode (tokens/s from TPOT of `--tokens`
-greedy tokens, EOS ignored), optionally Eagle K=1 / K=3 step times (`--eagle`), and prefill tokens/s of a
-`--prefill`-token prompt. The floor is the bytes a batch-1 step reads (attention, dense MLP, top-k + shared experts, lm_head; from the model's
-own tensors) over the read bandwidth of an fp32 sum of 1 GiB of initialised memory on the same number of threads
-(once at the start, and in the child just before and after each timed generation: `floor_over_step_paired`, one
-value per generation). `--tree DIR` runs the measurement with another checkout's mtp_core (e.g. a worktree of an
-older commit) for before/after tables; rounds alternate trees.
+Each (checkpoint, threads) measurement runs in a fresh process (so resident and peak memory are its own): load time,
+resident set after load and its peak, batch-1 nextn=0 decode (tokens/s from TPOT of `--tokens` greedy tokens, EOS
+ignored), optionally Eagle K=1 / K=3 step times (`--eagle`), and prefill tokens/s of a `--prefill`-token prompt. The
+floor is the bytes a batch-1 step reads (attention, dense MLP, top-k + shared experts, lm_head; from the model's own
+tensors) over the read bandwidth of an fp32 sum of 1 GiB of initialised memory on the same number of threads (once
+at the start, and in the child just before and after each timed generation: `floor_over_step_paired`, one value per
+generation). `--tree DIR` runs the measurement with another checkout's mtp_core (e.g. a worktree of an older commit)
+for before/after tables; rounds alternate trees.
 """
 from __future__ import annotations
 
