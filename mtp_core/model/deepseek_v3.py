@@ -140,14 +140,11 @@ class DeepseekV3ForCausalLM(nn.Module):
 
 
 def _matrix_bytes(module: nn.Module, routed: float = 1.0) -> float:
-    """Bytes of the module's matrices as stored (weights, packed codes and their scales), routed experts' (a
-    stacked [E, ...] tensor or experts.<i>. modules) times `routed`: what one token's forward reads."""
+    """Bytes of the module's matrices as stored (weights, packed codes and their scales), the routed experts'
+    (`experts.<i>.`; not `shared_experts.`) times `routed`: what one token's forward reads."""
     total = 0.0
     for name, t in [*module.named_parameters(), *module.named_buffers()]:
-        if t.dim() < 2:
-            continue
-        b = t.numel() * t.element_size()
-        expert = (".experts." in f".{name}" and "shared_experts" not in name) or \
-            (t.dim() == 3 and "experts" in name and "shared_experts" not in name)
-        total += b * routed if expert else b
+        if t.dim() >= 2:
+            b = t.numel() * t.element_size()
+            total += b * routed if ".experts." in f".{name}" else b
     return total

@@ -139,8 +139,7 @@ class StepCosts:
 
     def __init__(self, K: int, prior: CostPrior = CostPrior()) -> None:
         self.draft_len = K
-        self.prior = prior
-        self.catchup_ratio = prior.catchup_ratio     # a catch-up position's cost per k = 0 row, until measured
+        self.prior = prior                           # what it assumes until it measures (catch-up: catchup_ratio)
         self.target: dict[int, list[Optional[_Cell]]] = {}
         self.draft: dict[int, list[Optional[_Cell]]] = {}
         self._catchup = _Cell()                      # seconds per lagging position caught up
@@ -186,8 +185,8 @@ class StepCosts:
         if c is not None:
             return c
         if self._prefill.samples:
-            return self._prefill.value * self.catchup_ratio
-        return k0_row_s * self.catchup_ratio
+            return self._prefill.value * self.prior.catchup_ratio
+        return k0_row_s * self.prior.catchup_ratio
 
     def per_row(self, batch_size: int) -> Optional[tuple[list[float], list[float]]]:
         """(target part, drafter part) per row for k = 0..K at this batch size; None when nothing is measured.
